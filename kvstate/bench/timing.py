@@ -1,0 +1,43 @@
+"""Timing helpers shared by the benchmarks: a robust median timer and machine limits."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 1, min_time: float = 0.3, max_iters: int = 50) -> float:
+    """Median seconds per call of `fn`, after `warmup` calls; runs until `min_time` has elapsed."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_iters and (len(times) < 3 or time.perf_counter() - start < min_time):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    gemm_flops: float  # fp32 FLOP/s of a large square matmul
+    bandwidth: float  # bytes/s of a large tensor copy (read + write counted)
+
+
+def measure_machine(size: int = 2048, copy_mib: int = 256) -> MachineLimits:
+    """Measure this machine's fp32 GEMM rate and memory bandwidth with torch itself."""
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    t = time_fn(lambda: torch.mm(a, b), warmup=2, min_time=0.5)
+    gemm = 2 * size**3 / t
+    n = copy_mib * 2**20 // 4
+    x = torch.randn(n)
+    y = torch.empty_like(x)
+    t = time_fn(lambda: y.copy_(x), warmup=2, min_time=0.5)
+    bandwidth = 2 * n * 4 / t  # one read and one write of every byte
+    return MachineLimits(gemm_flops=gemm, bandwidth=bandwidth)

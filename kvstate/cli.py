@@ -1,0 +1,58 @@
+"""The `kvstate` command line: parse, call the library, print.
+
+Each subcommand lives in `kvstate.commands.<name>` with `configure(parser)` and `run(args)`.
+Command modules import nothing heavy at module level, so `kvstate --help` and torch-free
+commands such as `kvstate memory` start instantly; torch is imported inside `run` when needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvstate import __version__
+from kvstate.errors import KvstateError
+
+# name -> one-line help; the module kvstate.commands.<name> implements it.
+COMMANDS: dict[str, str] = {
+    "memory": "per-request KV and fixed-state bytes of hybrid models (torch-free)",
+    "bench": "benchmarks: ops, model, engine (ratios against transformers, fraction of machine limits)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstate",
+        description="Run, measure and understand hybrid LLMs (full attention + linear/SSM layers).",
+    )
+    parser.add_argument("--version", action="version", version=f"kvstate {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<subcommand>")
+    for name, help_text in COMMANDS.items():
+        module = importlib.import_module(f"kvstate.commands.{name}")
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except KvstateError as exc:
+        print(f"kvstate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""`kvstate bench <what>`: benchmarks that print ratios against a reference run in the same process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# what -> (module in kvstate.bench, help). Each module has configure(parser) and run(args).
+BENCHES: dict[str, tuple[str, str]] = {
+    "ops": ("kvstate.bench.ops", "every op and form: ms, tokens/s, GFLOP/s, ratio to transformers"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="<what>", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", action="store_true", help="print machine-readable results")
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        p.set_defaults(_bench_module=module_name)
+        # The bench module's own options; its import must stay light (no torch at module level).
+        importlib.import_module(module_name).configure(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(args._bench_module).run(args)
