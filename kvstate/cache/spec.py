@@ -1,0 +1,160 @@
+"""The per-layer cache spec: exactly what the engine allocates for one request (no torch).
+
+`cache_spec(plan, kv_dtype=, state_dtype=, conv_dtype=, conv_window=)` turns a ModelPlan into
+one `CacheEntry` per token mixer:
+
+    attention   kv     per token [2, num_kv_heads, head_dim]       (K and V)
+    mla         kv     per token [kv_lora_rank + qk_rope_head_dim]  (one latent, no separate V)
+    gated_deltanet recurrent [num_v_heads, head_k_dim, head_v_dim]  conv [conv_dim, window]
+    kda         recurrent [num_heads, head_dim, head_dim]           conv [3 * num_heads * head_dim, window]
+    mamba2      recurrent [num_heads, d_state, head_dim]            conv [d_inner + 2 * n_groups * d_state, window]
+    mamba1      recurrent [d_inner, d_state]                        conv [d_inner, window]
+    short_conv  conv [dim, window]
+
+Recurrent states follow the ops' [H, K, V] orientation (DESIGN.md). `window` is the conv kernel
+("kernel": what transformers allocates, and the spec documents' convention) or kernel - 1
+("kernel-1": the columns a decode step really needs, as vLLM keeps). The engine sizes its KV
+block pool and state slot pool from these entries, so the bytes here are the bytes it allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from kvstate.config.dtypes import canonical_dtype, dtype_bytes, known_dtypes
+from kvstate.config.plan import (
+    AttentionSpec,
+    GatedDeltaNetSpec,
+    KDASpec,
+    Mamba1Spec,
+    Mamba2Spec,
+    MixerSpec,
+    MLASpec,
+    ModelPlan,
+    ShortConvSpec,
+)
+from kvstate.errors import KvstateError
+
+CONV_WINDOWS = ("kernel", "kernel-1")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor's shape (without the request/token dimension) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """The cache of one mixer in one layer: KV per token and/or fixed state per request."""
+
+    layer: int
+    kind: str  # the mixer kind, e.g. "attention", "gated_deltanet"
+    kv: TensorSpec | None = None  # per token
+    recurrent: TensorSpec | None = None  # per request
+    conv: TensorSpec | None = None  # per request
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv.nbytes if self.kv else 0
+
+    @property
+    def recurrent_bytes(self) -> int:
+        return self.recurrent.nbytes if self.recurrent else 0
+
+    @property
+    def conv_bytes(self) -> int:
+        return self.conv.nbytes if self.conv else 0
+
+    @property
+    def state_bytes(self) -> int:
+        return self.recurrent_bytes + self.conv_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """All cache entries of a model for the chosen dtypes and conv window."""
+
+    model: str
+    kv_dtype: str
+    state_dtype: str
+    conv_dtype: str
+    conv_window: str  # "kernel" | "kernel-1"
+    entries: tuple[CacheEntry, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(e.kv_bytes_per_token for e in self.entries)
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        return sum(e.recurrent_bytes for e in self.entries)
+
+    @property
+    def conv_state_bytes(self) -> int:
+        return sum(e.conv_bytes for e in self.entries)
+
+    @property
+    def state_bytes(self) -> int:
+        """Fixed bytes per request, whatever the context length (recurrent + conv)."""
+        return self.recurrent_state_bytes + self.conv_state_bytes
+
+    def request_bytes(self, context: int) -> int:
+        """Cache bytes of one request holding `context` tokens."""
+        return self.kv_bytes_per_token * context + self.state_bytes
+
+
+def _dtype(name: str, option: str) -> str:
+    canonical = canonical_dtype(name)
+    if canonical is None:
+        raise KvstateError(f"{option}: unknown dtype {name!r} (known: {', '.join(known_dtypes())})")
+    return canonical
+
+
+def mixer_entry(layer: int, m: MixerSpec, kv_dtype: str, state_dtype: str, conv_dtype: str,
+                conv_window: str) -> CacheEntry:
+    """The cache of one mixer (dtypes canonical, conv_window one of CONV_WINDOWS)."""
+    if isinstance(m, AttentionSpec):
+        return CacheEntry(layer, m.kind, kv=TensorSpec((2, m.num_kv_heads, m.head_dim), kv_dtype))
+    if isinstance(m, MLASpec):
+        return CacheEntry(layer, m.kind, kv=TensorSpec((m.kv_lora_rank + m.qk_rope_head_dim,), kv_dtype))
+    if isinstance(m, GatedDeltaNetSpec):
+        state = (m.num_v_heads, m.head_k_dim, m.head_v_dim)
+    elif isinstance(m, KDASpec):
+        state = (m.num_heads, m.head_dim, m.head_dim)
+    elif isinstance(m, Mamba2Spec):
+        state = (m.num_heads, m.d_state, m.head_dim)
+    elif isinstance(m, Mamba1Spec):
+        state = (m.d_inner, m.d_state)
+    elif isinstance(m, ShortConvSpec):
+        state = None
+    else:
+        raise TypeError(f"unknown mixer spec {type(m).__name__}")
+    window = m.conv_kernel - (conv_window == "kernel-1")
+    conv = TensorSpec((m.conv_dim, window), conv_dtype) if window > 0 else None
+    return CacheEntry(layer, m.kind, recurrent=state and TensorSpec(state, state_dtype), conv=conv)
+
+
+def cache_spec(plan: ModelPlan, *, kv_dtype: str | None = None, state_dtype: str | None = None,
+               conv_dtype: str | None = None, conv_window: str = "kernel") -> CacheSpec:
+    """The cache of one request of `plan`. Dtypes default to the plan's: model dtype for KV and
+    conv, `plan.state_dtype` for recurrent states. Unknown dtypes or windows raise KvstateError."""
+    if conv_window not in CONV_WINDOWS:
+        raise KvstateError(f"--conv-window: expected one of {', '.join(CONV_WINDOWS)}, got {conv_window!r}")
+    kv = _dtype(kv_dtype or plan.dtype, "--kv-dtype")
+    state = _dtype(state_dtype or plan.state_dtype, "--state-dtype")
+    conv = _dtype(conv_dtype or plan.dtype, "--conv-dtype")
+    entries = tuple(mixer_entry(layer.index, m, kv, state, conv, conv_window)
+                    for layer in plan.layers for m in layer.mixers)
+    return CacheSpec(plan.name, kv, state, conv, conv_window, entries)

@@ -1,0 +1,47 @@
+"""Dtype names as configs and users write them, reduced to one canonical name and a byte size.
+
+Configs say "bfloat16", "torch.bfloat16" or "bf16"; users type "fp8" or "half". No torch here:
+the canonical names are torch's, so `getattr(torch, name)` works wherever torch is loaded.
+"""
+
+from __future__ import annotations
+
+# canonical name -> bytes per element
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float64": 8,
+}
+
+_ALIASES: dict[str, str] = {
+    "fp32": "float32", "f32": "float32", "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+    "fp64": "float64", "double": "float64",
+}
+
+
+def canonical_dtype(name: object) -> str | None:
+    """The canonical dtype name for `name`, or None if it is not a dtype we know."""
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower().removeprefix("torch.")
+    key = _ALIASES.get(key, key)
+    return key if key in DTYPE_BYTES else None
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype given by any accepted spelling (ValueError if unknown)."""
+    canonical = canonical_dtype(name)
+    if canonical is None:
+        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(known_dtypes())})")
+    return DTYPE_BYTES[canonical]
+
+
+def known_dtypes() -> list[str]:
+    return list(DTYPE_BYTES)

@@ -1,0 +1,237 @@
+"""The normalized layer plan: what every model family is translated into (no torch).
+
+`ModelPlan.layers` holds one `LayerSpec` per decoder block. A block has zero, one or more
+token mixers (Falcon-H1 runs attention and Mamba-2 side by side; Nemotron-H's MLP/MoE blocks
+have none) and one FFN. Each mixer kind is a small frozen dataclass carrying exactly the dims
+that size its cache and its weights. The cache spec (`kvstate.cache.spec`), the memory planner
+and, later, the model builder and the engine's pools all read this one description.
+
+Layer letters (`ModelPlan.layer_string`, one per block):
+    A full attention (MHA/GQA)     L MLA (latent attention)     G Gated DeltaNet
+    K KDA (Kimi Delta Attention)   M Mamba-2                    S Mamba-1 (selective scan)
+    C short convolution (LFM2)     - no mixer (MLP/MoE block)   H several mixers in one block
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """Softmax attention with a growing KV cache: per token 2 x num_kv_heads x head_dim values."""
+
+    kind: ClassVar[str] = "attention"
+    letter: ClassVar[str] = "A"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    output_gate: bool = False  # Qwen's gated attention: q_proj is twice as wide (half is the gate)
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention: caches one latent of kv_lora_rank + qk_rope_head_dim per token."""
+
+    kind: ClassVar[str] = "mla"
+    letter: ClassVar[str] = "L"
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q_proj maps hidden -> heads directly (Kimi Linear)
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet: state [num_v_heads, head_k_dim, head_v_dim]; conv over q, k and v channels."""
+
+    kind: ClassVar[str] = "gated_deltanet"
+    letter: ClassVar[str] = "G"
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True, slots=True)
+class KDASpec:
+    """Kimi Delta Attention: state [num_heads, head_dim, head_dim]; separate q, k, v short convs."""
+
+    kind: ClassVar[str] = "kda"
+    letter: ClassVar[str] = "K"
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Spec:
+    """Mamba-2 (SSD): state [num_heads, d_state, head_dim]; conv over x, B and C channels."""
+
+    kind: ClassVar[str] = "mamba2"
+    letter: ClassVar[str] = "M"
+    num_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    conv_kernel: int
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba1Spec:
+    """Mamba-1 selective scan: state [d_inner, d_state]; conv over the d_inner channels."""
+
+    kind: ClassVar[str] = "mamba1"
+    letter: ClassVar[str] = "S"
+    d_inner: int
+    d_state: int
+    conv_kernel: int
+    dt_rank: int
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner
+
+
+@dataclass(frozen=True, slots=True)
+class ShortConvSpec:
+    """A gated short causal convolution (LFM2): no recurrent state, a conv window over `dim` channels."""
+
+    kind: ClassVar[str] = "short_conv"
+    letter: ClassVar[str] = "C"
+    dim: int
+    kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return self.dim
+
+    @property
+    def conv_kernel(self) -> int:
+        return self.kernel
+
+
+MixerSpec = Union[AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec, ShortConvSpec]
+MIXER_KINDS: tuple[type, ...] = (AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec,
+                                 ShortConvSpec)
+KV_KINDS = frozenset({"attention", "mla"})  # mixers whose cache grows with the context
+LETTERS: dict[str, str] = {cls.kind: cls.letter for cls in MIXER_KINDS}
+NO_MIXER, MULTI_MIXER = "-", "H"
+
+
+@dataclass(frozen=True, slots=True)
+class FfnSpec:
+    """The block's feed-forward part: "mlp", "moe" (routed experts + optional shared) or "none"."""
+
+    kind: str  # "mlp" | "moe" | "none"
+    intermediate_size: int = 0  # mlp width
+    gated: bool = True  # SwiGLU-style gate/up/down (False: up/down only, e.g. Nemotron's relu2)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0  # total width of the always-on shared expert(s), 0 if none
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "moe", "none"):
+            raise ValueError(f"FfnSpec.kind must be 'mlp', 'moe' or 'none', got {self.kind!r}")
+
+
+FFN_NONE = FfnSpec("none")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder block: its index, its token mixers (0, 1 or more) and its FFN."""
+
+    index: int
+    mixers: tuple[MixerSpec, ...]
+    ffn: FfnSpec = FFN_NONE
+
+    @property
+    def letter(self) -> str:
+        if not self.mixers:
+            return NO_MIXER
+        return self.mixers[0].letter if len(self.mixers) == 1 else MULTI_MIXER
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(m.kind for m in self.mixers)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamEstimate:
+    """Parameter count estimated from the config (norms and biases included where known)."""
+
+    attention: int = 0  # attention and MLA mixers
+    linear_mixers: int = 0  # Gated DeltaNet, KDA, Mamba-2, Mamba-1, short conv
+    mlp: int = 0  # dense FFNs
+    moe_experts: int = 0  # routed experts, routers and shared experts
+    embeddings: int = 0  # input embedding, LM head (unless tied), final norm
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.linear_mixers + self.mlp + self.moe_experts + self.embeddings
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model as the planner, the model builder and the engine see it (see the module docstring)."""
+
+    name: str  # display name: bundled short name, `_name_or_path`, or the checkpoint folder
+    model_type: str  # the config's top-level model_type (e.g. "qwen3_5", whose text model is nested)
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_position_embeddings: int | None  # None where the config has no limit (e.g. mamba2)
+    dtype: str  # model dtype (weights, KV, conv): canonical name, e.g. "bfloat16"
+    state_dtype: str  # recurrent-state dtype: mamba_ssm_dtype / mamba_ssm_cache_dtype, else float32
+    tie_word_embeddings: bool
+    params: ParamEstimate
+    layers: tuple[LayerSpec, ...]
+    source: str = field(default="", compare=False)  # where the config came from (for messages)
+    # the HF dict the family read: flat, with a nested text_config merged in (outer dtype/tie folded)
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"{self.name}: {len(self.layers)} layer specs for num_layers={self.num_layers}")
+        if any(layer.index != i for i, layer in enumerate(self.layers)):
+            raise ValueError(f"{self.name}: layer indices must be 0..{self.num_layers - 1} in order")
+
+    @property
+    def layer_string(self) -> str:
+        """One letter per block, e.g. "GGGA" * 6 for Qwen3.5-0.8B (letters in the module docstring)."""
+        return "".join(layer.letter for layer in self.layers)
+
+    @property
+    def mixer_counts(self) -> dict[str, int]:
+        """Mixers per kind, e.g. {"gated_deltanet": 18, "attention": 6}; "none" counts mixer-less blocks."""
+        counts: Counter[str] = Counter()
+        for layer in self.layers:
+            counts.update(layer.kinds or ("none",))
+        return dict(counts)
+
+    def mixers(self, kind: str) -> list[tuple[int, MixerSpec]]:
+        """(layer index, spec) of every mixer of `kind`."""
+        return [(layer.index, m) for layer in self.layers for m in layer.mixers if m.kind == kind]

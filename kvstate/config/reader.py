@@ -1,0 +1,121 @@
+"""Read an HF config.json (a file, a checkpoint directory or a bundled short name) into a plan.
+
+`load_config(source) -> dict` finds and parses the JSON; `read_plan(source_or_dict) -> ModelPlan`
+dispatches on `model_type` to the family adapter (kvstate.families). Every bad input is one
+KvstateError that names the file and, where there is one, the field. No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvstate.config.fields import ConfigView
+from kvstate.config.plan import ModelPlan
+from kvstate.errors import KvstateError
+
+# Bundled configs (kvstate/data/configs/<name>.json, real values), in the order of the tables
+# in the spec documents.
+BUNDLED: tuple[str, ...] = (
+    "llama-3.1-8b",
+    "qwen3.5-0.8b",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-397b-a17b",
+    "qwen3-next-80b-a3b",
+    "kimi-linear-48b-a3b",
+    "jamba-v0.1",
+    "nemotron-h-8b-base-8k",
+    "nemotron-nano-9b-v2",
+)
+
+
+def bundled_names() -> list[str]:
+    return list(BUNDLED)
+
+
+def bundled_path(name: str) -> Path | None:
+    """The bundled config for a short name (case-insensitive), or None."""
+    key = name.strip().lower()
+    if key not in BUNDLED:
+        return None
+    return Path(str(resources.files("kvstate") / "data" / "configs" / f"{key}.json"))
+
+
+def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
+    """(path of the config.json, bundled short name or None) for a file, directory or bundled name."""
+    text = os.fspath(source)
+    path = Path(text)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise KvstateError(f"{path}: directory has no config.json")
+        return config, None
+    if path.exists():
+        return path, None
+    bundled = bundled_path(text)
+    if bundled is not None:
+        return bundled, text.strip().lower()
+    raise KvstateError(f"{text}: no such file or directory, and not a bundled model "
+                       f"(bundled: {', '.join(BUNDLED)})")
+
+
+def _parse(path: Path, label: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvstateError(f"{label}: cannot read: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KvstateError(f"{label}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise KvstateError(f"{label}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(source: str | os.PathLike) -> dict[str, Any]:
+    """The config dict of a config.json path, a checkpoint directory or a bundled short name."""
+    path, bundled = resolve(source)
+    return _parse(path, bundled or str(path))
+
+
+def _default_name(path: Path, bundled: str | None, data: Mapping[str, Any]) -> str:
+    if bundled:
+        return bundled
+    name = data.get("_name_or_path")
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    if path.name == "config.json" and path.parent.name:
+        return path.parent.resolve().name
+    return path.stem
+
+
+def read_plan(source: str | os.PathLike | Mapping[str, Any], *, name: str | None = None) -> ModelPlan:
+    """The normalized layer plan of a config (see kvstate.config.plan).
+
+    `source` is a config.json path, a checkpoint directory, a bundled short name or an
+    already-loaded dict; `name` overrides the display name."""
+    if isinstance(source, Mapping):
+        data, label = dict(source), name or "<config>"
+        default = name or str(data.get("_name_or_path") or data.get("model_type") or "model")
+    else:
+        path, bundled = resolve(source)
+        label = bundled or str(path)
+        data = _parse(path, label)
+        default = _default_name(path, bundled, data)
+    return plan_from_dict(data, label, name or default)
+
+
+def plan_from_dict(data: Mapping[str, Any], label: str, name: str) -> ModelPlan:
+    from kvstate.families import adapter, supported_model_types  # lazy: families import this package
+
+    cfg = ConfigView(data, label)
+    model_type = cfg.str("model_type")
+    family = adapter(model_type)
+    if family is None:
+        raise cfg.error("model_type", f"unsupported model_type {model_type!r}; supported: "
+                        f"{', '.join(supported_model_types())}")
+    return family.read(cfg, name)

@@ -1,0 +1,70 @@
+"""Dense-attention transformers (llama, mistral, qwen2, qwen3, ...): every layer full attention.
+
+They share the standard fields (num_attention_heads, num_key_value_heads, optional head_dim,
+intermediate_size). The MoE variants among them (mixtral, qwen2_moe, qwen3_moe) route every
+FFN to experts (except `mlp_only_layers` and layers off `decoder_sparse_step`). Sliding windows are not modelled: every layer keeps the whole context.
+"""
+
+from __future__ import annotations
+
+from kvstate.config.fields import ConfigView
+from kvstate.config.plan import FfnSpec, LayerSpec, ModelPlan
+from kvstate.families._common import attention, build_plan, mlp
+from kvstate.config.options import ModelOptions
+from kvstate.families._options import eps, rope
+from kvstate.families._weights import Target, common_targets
+
+DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = DENSE + MOE
+_QK_NORM = ("qwen3", "qwen3_moe")  # per-head q_norm / k_norm
+_QKV_BIAS = ("qwen2", "qwen2_moe")  # q, k, v projections always have biases
+
+
+def _moe(cfg: ConfigView) -> FfnSpec:
+    shared = cfg.int("shared_expert_intermediate_size", default=0, minimum=0)
+    return FfnSpec("moe", num_experts=cfg.int("num_local_experts", "num_experts"),
+                   experts_per_token=cfg.int("num_experts_per_tok"),
+                   expert_intermediate_size=cfg.int("moe_intermediate_size", "intermediate_size"),
+                   shared_intermediate_size=shared)
+
+
+def read(cfg: ConfigView, name: str) -> ModelPlan:
+    model_type = cfg.str("model_type")
+    attn = attention(cfg)
+    n = cfg.int("num_hidden_layers")
+    sparse = _moe(cfg) if model_type in MOE else None
+    dense_only = set(cfg.int_list("mlp_only_layers")) if sparse and cfg.has("mlp_only_layers") else set()
+    step = cfg.int("decoder_sparse_step", default=1)
+    layers = [LayerSpec(i, (attn,), sparse if sparse and i not in dense_only and (i + 1) % step == 0
+                        else mlp(cfg)) for i in range(n)]
+    qkv = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    extra = 2 * attn.head_dim if model_type in _QK_NORM else 0
+    if model_type in _QKV_BIAS:
+        extra += qkv
+    elif cfg.bool("attention_bias", default=False):
+        extra += qkv + cfg.int("hidden_size")  # o_proj bias too
+    n_moe = sum(layer.ffn.kind == "moe" for layer in layers)
+    shared_gate = n_moe * cfg.int("hidden_size") if model_type == "qwen2_moe" else 0
+    return build_plan(cfg, name, model_type, layers, extra_attention=n * extra, extra_moe=shared_gate,
+                      tie_default=model_type in ("gemma",))
+
+
+# -- model building (kvstate.models) -------------------------------------------------------------
+
+_RUNNABLE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def model_options(cfg: ConfigView) -> ModelOptions:
+    model_type = cfg.str("model_type")
+    if model_type not in _RUNNABLE:
+        raise cfg.error("model_type", f"{model_type!r} can be planned but not run (runnable dense: "
+                        f"{', '.join(_RUNNABLE)})")
+    bias = model_type == "qwen2" or cfg.bool("attention_bias", default=False)
+    return ModelOptions(norm_eps=eps(cfg), act=cfg.str("hidden_act", default="silu"), qk_norm=model_type == "qwen3",
+                        attention_bias=bias, attention_out_bias=cfg.bool("attention_bias", default=False),
+                        mlp_bias=cfg.bool("mlp_bias", default=False), **rope(cfg))
+
+
+def weight_targets(name: str, plan) -> list[Target] | None:
+    return common_targets(name, plan)

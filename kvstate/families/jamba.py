@@ -1,0 +1,48 @@
+"""Jamba: Mamba-1 layers with an attention layer every `attn_layer_period`, MoE every other layer.
+
+Attention iff i % attn_layer_period == attn_layer_offset; MoE iff
+i % expert_layer_period == expert_layer_offset (experts of width intermediate_size), else a
+dense MLP. No head_dim field: hidden_size / num_attention_heads. d_inner = mamba_expand x hidden.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvstate.config.fields import ConfigView
+from kvstate.config.plan import LayerSpec, Mamba1Spec, ModelPlan
+from kvstate.families._common import attention, build_plan, mlp, moe
+
+MODEL_TYPES = ("jamba",)
+
+
+def _period(cfg: ConfigView, period_key: str, offset_key: str) -> tuple[int, int]:
+    period, offset = cfg.int(period_key), cfg.int(offset_key, minimum=0)
+    if offset >= period:
+        raise cfg.error(offset_key, f"{offset} must be smaller than {period_key} {period}")
+    return period, offset
+
+
+def read(cfg: ConfigView, name: str) -> ModelPlan:
+    n, hidden = cfg.int("num_hidden_layers"), cfg.int("hidden_size")
+    attn_period, attn_offset = _period(cfg, "attn_layer_period", "attn_layer_offset")
+    exp_period, exp_offset = _period(cfg, "expert_layer_period", "expert_layer_offset")
+    dt_rank = cfg.raw("mamba_dt_rank", default="auto")
+    d_state = cfg.int("mamba_d_state")
+    mamba = Mamba1Spec(
+        d_inner=cfg.int("mamba_expand") * hidden,
+        d_state=d_state,
+        conv_kernel=cfg.int("mamba_d_conv"),
+        dt_rank=math.ceil(hidden / 16) if dt_rank == "auto" else cfg.int("mamba_dt_rank"),
+    )
+    attn = attention(cfg)
+    dense = mlp(cfg)
+    sparse = moe(cfg, ("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("intermediate_size",))
+    layers = [
+        LayerSpec(i, (attn if i % attn_period == attn_offset else mamba,),
+                  sparse if i % exp_period == exp_offset and sparse.num_experts > 1 else dense)
+        for i in range(n)
+    ]
+    n_mamba = sum(layer.mixers[0] is mamba for layer in layers)
+    # dt/B/C RMSNorms inside each Jamba Mamba mixer
+    return build_plan(cfg, name, "jamba", layers, extra_linear=n_mamba * (mamba.dt_rank + 2 * d_state))

@@ -1,0 +1,48 @@
+"""LFM2: gated short-convolution layers with a few attention layers, each followed by a SwiGLU MLP.
+
+Layers come from `layer_types` ("full_attention" | "conv") or `full_attn_idxs` (0-indexed).
+A conv layer keeps a window of `conv_L_cache` columns over hidden_size channels and no
+recurrent state. The MLP width follows transformers' Lfm2MLP (auto-adjusted to 2/3, times
+block_ffn_dim_multiplier, rounded up to block_multiple_of).
+"""
+
+from __future__ import annotations
+
+from kvstate.config.fields import ConfigView
+from kvstate.config.plan import FfnSpec, LayerSpec, ModelPlan, ShortConvSpec
+from kvstate.families._common import attention, build_plan, layer_words
+
+MODEL_TYPES = ("lfm2",)
+
+
+def _words(cfg: ConfigView) -> list[str]:
+    if cfg.has("layer_types"):
+        return layer_words(cfg, ("layer_types",), {"full", "conv"})
+    n = cfg.int("num_hidden_layers")
+    full = set(cfg.int_list("full_attn_idxs"))
+    if any(i >= n for i in full):
+        raise cfg.error("full_attn_idxs", f"indices must be below num_hidden_layers {n}, got {sorted(full)}")
+    return ["full" if i in full else "conv" for i in range(n)]
+
+
+def _ffn_width(cfg: ConfigView) -> int:
+    width = cfg.int("block_ff_dim", "intermediate_size")
+    if cfg.bool("block_auto_adjust_ff_dim", default=True):
+        width = int(2 * width / 3)
+        multiplier = cfg.raw("block_ffn_dim_multiplier", default=1.0)
+        if not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or multiplier <= 0:
+            raise cfg.error("block_ffn_dim_multiplier", f"must be a positive number, got {multiplier!r}")
+        multiple = cfg.int("block_multiple_of", default=256)
+        width = int(multiplier * width)
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def read(cfg: ConfigView, name: str) -> ModelPlan:
+    words = _words(cfg)
+    attn = attention(cfg)
+    conv = ShortConvSpec(cfg.int("hidden_size"), cfg.int("conv_L_cache"))
+    ffn = FfnSpec("mlp", intermediate_size=_ffn_width(cfg))
+    layers = [LayerSpec(i, (attn if w == "full" else conv,), ffn) for i, w in enumerate(words)]
+    return build_plan(cfg, name, "lfm2", layers, tie_default=True,
+                      extra_attention=words.count("full") * 2 * attn.head_dim)  # q/k layernorms
