@@ -1,0 +1,52 @@
+"""The one generic hybrid decoder: embeddings, a stack of blocks, final norm, LM head.
+
+A block is `x += mixer(norm(x))` then `x += ffn(norm(x))`, with either part optional
+(Nemotron-H blocks hold a mixer or an FFN, not both). Mixers are any token mixer of
+`kvstate.layers` with the signature `mixer(x [T, hidden], batch, cache) -> [T, hidden]`;
+FFNs are position-wise `ffn(x) -> x`. The forward takes the packed batch metadata and the
+per-layer caches explicitly and returns logits only for `batch.logits_indices`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, mixer: nn.Module | None, ffn: nn.Module | None, norm: Callable[[], nn.Module]):
+        super().__init__()
+        self.input_norm = norm() if mixer is not None else None
+        self.mixer = mixer
+        self.ffn_norm = norm() if ffn is not None else None
+        self.ffn = ffn
+
+    def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        if self.mixer is not None:
+            x = x + self.mixer(self.input_norm(x), batch, cache)
+        if self.ffn is not None:
+            x = x + self.ffn(self.ffn_norm(x))
+        return x
+
+
+class HybridDecoder(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, blocks: list[Block], norm: Callable[[], nn.Module], *,
+                 tie_word_embeddings: bool = False, layer_string: str = ""):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = norm()
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.layer_string = layer_string  # e.g. "GGGA" * 6: one letter per layer's mixer kind
+
+    def forward(self, input_ids: torch.Tensor, batch, caches: list) -> torch.Tensor:
+        """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices."""
+        x = self.embed_tokens(input_ids)
+        for block, cache in zip(self.layers, caches):
+            x = block(x, batch, cache)
+        x = self.norm(x.index_select(0, batch.logits_indices))
+        return self.lm_head(x).float()

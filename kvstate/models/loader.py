@@ -1,0 +1,93 @@
+"""Load a Hugging Face checkpoint (config.json + *.safetensors) into the generic hybrid decoder.
+
+The family adapter translates the config into the layer plan and model options, and each
+checkpoint tensor name into targets in our parameters. Every parameter must be filled
+completely and every tensor must have a home: otherwise a KvstateError names what is wrong.
+On CPU weights are float32 (bf16 checkpoints are upcast at load).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvstate.config import read_plan
+from kvstate.config.fields import ConfigView
+from kvstate.errors import KvstateError
+from kvstate.families import adapter
+from kvstate.models.build import build_model
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise KvstateError(f"{index}: malformed safetensors index ({exc})") from None
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise KvstateError(f"{path}: no *.safetensors files")
+    return files
+
+
+def family_of(plan):
+    family = adapter(plan.model_type)
+    if family is None or not hasattr(family, "weight_targets"):
+        raise KvstateError(f"{plan.source or plan.name}: model_type {plan.model_type!r} can be planned but not run")
+    return family
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
+    """-> (model in eval mode, plan). `path` is a checkpoint directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise KvstateError(f"{path}: not a checkpoint directory")
+    plan = read_plan(path)
+    family = family_of(plan)
+    opts = family.model_options(ConfigView(plan.config, plan.source))
+    model = build_model(plan, opts, device="meta")
+    model.to_empty(device="cpu")
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    params.update(model.named_buffers())
+    filled = {name: 0 for name in params}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                targets = family.weight_targets(key, plan)
+                if targets is None:
+                    raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {plan.model_type} model")
+                if not targets:
+                    continue
+                tensor = f.get_tensor(key)
+                for t in targets:
+                    _copy(params, filled, t, tensor, key, file.name)
+    if plan.tie_word_embeddings:
+        filled.pop("lm_head.weight", None)
+    missing = [n for n, count in filled.items() if count < params[n].numel()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
+    model.eval()
+    return model, plan
+
+
+def _copy(params, filled, target, tensor, key, file):
+    if target.name not in params:
+        raise KvstateError(f"{file}: tensor {key!r} maps to {target.name!r}, which this model does not have")
+    dest = params[target.name]
+    src = tensor if target.rows is None else tensor[list(target.rows) if isinstance(target.rows, tuple) else target.rows]
+    view = dest[target.index] if target.index else dest
+    if tuple(src.shape) != tuple(view.shape):
+        if src.numel() != view.numel() or [d for d in src.shape if d != 1] != [d for d in view.shape if d != 1]:
+            raise KvstateError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected "
+                               f"{tuple(view.shape)} for {target.name}")
+        src = src.reshape(view.shape)  # e.g. depthwise conv1d weight [D, 1, W] -> [D, W]
+    with torch.no_grad():
+        view.copy_(src)
+    filled[target.name] += view.numel()

@@ -1,0 +1,99 @@
+"""Tokenizer and chat template of a checkpoint: tokenizer.json through `tokenizers`, templates through jinja2.
+
+The chat template comes from tokenizer_config.json's `chat_template` (a string, or a list of
+named templates) or a chat_template.jinja file, rendered the way transformers renders it
+(trim_blocks, lstrip_blocks, `raise_exception`, `tojson`). End-of-sequence ids are gathered
+from generation_config.json, config.json and the tokenizer's eos token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvstate.errors import KvstateError
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise KvstateError(f"{path}: malformed JSON ({exc})") from None
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise KvstateError(f"{path}: no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(file))
+        cfg = _read_json(path / "tokenizer_config.json")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        self.chat_template: str | None = template
+        self.eos_token_ids = self._eos_ids(path)
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids: set[int] = set()
+        for source in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+            value = source.get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+            ids.add(tid)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token is not None:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        if not self.chat_template:
+            raise KvstateError("this checkpoint has no chat template (tokenizer_config.json or chat_template.jinja)")
+        return _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _render(template: str, **context) -> str:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise KvstateError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(**context)
+    except jinja2.TemplateError as exc:
+        raise KvstateError(f"chat template: {exc}") from None

@@ -1,0 +1,71 @@
+"""Softmax attention over a paged KV cache (the full-attention layers of a hybrid model).
+
+The cache of one layer is a pool of blocks: k_cache, v_cache [num_blocks, block_size, Hkv, D].
+New K/V rows are written at the batch's `slot_mapping`, then each sequence attends over its own
+blocks (its `block_tables` row) causally: query token t of a sequence with `c` cached tokens sees
+keys 0 .. c + t. Grouped-query heads are handled by SDPA's `enable_gqa` (no repeat of K/V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, *rest] <- new [T, *rest] at flat rows slot_mapping [T]."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new.to(cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` rows of one sequence's blocks: [length, *rest].
+
+    Consecutive block ids (the common case for a lone sequence) give a view, not a copy.
+    """
+    block_size = cache.shape[1]
+    nb = -(-length // block_size)
+    ids = table[:nb]
+    first = int(ids[0])
+    if nb == 1 or bool((ids == torch.arange(first, first + nb)).all()):
+        return cache[first : first + nb].reshape(-1, *cache.shape[2:])[:length]
+    return cache[ids].reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, *,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D] (already rotated) -> o [T, H, Dv], reading K/V of every sequence from the pool."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    if batch.decode_only and batch.num_seqs > 1:
+        return _decode_batched(q, k_cache, v_cache, batch, scale, out)
+    cu = batch.cu_seqlens.tolist()
+    for i, (q_len, kv_len) in enumerate(zip(batch.query_lens, batch.kv_lens)):
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, batch.block_tables[i], kv_len).transpose(0, 1)  # [Hkv, kv_len, D]
+        v = gather_kv(v_cache, batch.block_tables[i], kv_len).transpose(0, 1)
+        qi = q[cu[i] : cu[i + 1]].transpose(0, 1)  # [H, q_len, D]
+        ctx = kv_len - q_len
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=True)
+        else:
+            allowed = torch.arange(kv_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+def _decode_batched(q, k_cache, v_cache, batch, scale, out):
+    """One query per sequence: pad every sequence's K/V to the longest and run one SDPA call."""
+    n, max_len = batch.num_seqs, max(batch.kv_lens)
+    hkv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    k = k_cache.new_zeros(n, max_len, hkv, d)
+    v = v_cache.new_zeros(n, max_len, hkv, dv)
+    for i, kv_len in enumerate(batch.kv_lens):
+        k[i, :kv_len] = gather_kv(k_cache, batch.block_tables[i], kv_len)
+        v[i, :kv_len] = gather_kv(v_cache, batch.block_tables[i], kv_len)
+    lens = torch.tensor(batch.kv_lens)
+    allowed = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]  # [N, 1, 1, max_len]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=allowed, scale=scale, enable_gqa=True)  # [N, H, 1, Dv]
+    out.copy_(o[:, :, 0, :])
+    return out
