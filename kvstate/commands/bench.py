@@ -8,6 +8,7 @@ import importlib
 # what -> (module in kvstate.bench, help). Each module has configure(parser) and run(args).
 BENCHES: dict[str, tuple[str, str]] = {
     "ops": ("kvstate.bench.ops", "every op and form: ms, tokens/s, GFLOP/s, ratio to transformers"),
+    "model": ("kvstate.bench.model", "prefill of a ~0.5B Qwen3.5-style checkpoint vs transformers"),
 }
 
 

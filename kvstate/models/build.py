@@ -46,7 +46,8 @@ def build_ffn(spec: FfnSpec, hidden: int, opts: ModelOptions):
         return cls(hidden, spec.intermediate_size, act=opts.act, bias=opts.mlp_bias)
     return MoE(hidden, spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size,
                router=opts.router, gated=spec.gated, act=opts.act,
-               shared_intermediate_size=spec.shared_intermediate_size, shared_gate=opts.shared_expert_gate)
+               shared_intermediate_size=spec.shared_intermediate_size, shared_gate=opts.shared_expert_gate,
+               latent_size=spec.latent_size)
 
 
 def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.device = "meta") -> HybridDecoder:

@@ -56,6 +56,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     params = dict(model.named_parameters())
     params.update(model.named_buffers())
     filled = {name: 0 for name in params}
+    layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
@@ -65,6 +66,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
                 if not targets:
                     continue
                 tensor = f.get_tensor(key)
+                layout[key] = tuple(tensor.shape)
                 for t in targets:
                     _copy(params, filled, t, tensor, key, file.name)
     if plan.tie_word_embeddings:
@@ -74,6 +76,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
     model.eval()
+    model.checkpoint_layout = layout
+    model.hf_config = json.loads((path / "config.json").read_text())
     return model, plan
 
 

@@ -86,3 +86,13 @@ def check_all(model, hf_model, vocab: int) -> None:
     check_decode_equals_full(model, vocab)
     check_greedy(model, hf_model, vocab)
     check_packed(model, vocab)
+
+
+def check_saved_loads_in_transformers(model, plan, hf_model, tmp_path, vocab: int) -> None:
+    """kvstate saves the checkpoint back; transformers loads it and gives the same logits as before."""
+    from kvstate.models.saver import save_checkpoint
+
+    out = save_checkpoint(model, plan, tmp_path / "saved")
+    reloaded = type(hf_model).from_pretrained(out, dtype=torch.float32).eval()
+    ids = random_ids(vocab, 19, 5)
+    assert rel_err(hf_logits(reloaded, ids), hf_logits(hf_model, ids)) <= 1e-6

@@ -43,3 +43,14 @@ def test_qwen3_5_vision_language_checkpoint_runs_its_text_model(tmp_path):
     model, plan = save_and_load(hf, tmp_path)
     assert plan.model_type in ("qwen3_5", "qwen3_5_text")
     check_all(model, hf, VOCAB)
+
+
+def test_saved_checkpoint_loads_in_transformers(tmp_path):
+    from tests.models.checks import check_saved_loads_in_transformers
+
+    torch.manual_seed(3)
+    cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, **TEXT)
+    hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    model, plan = save_and_load(hf, tmp_path / "orig")
+    check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)

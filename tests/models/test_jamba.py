@@ -1,0 +1,116 @@
+"""Jamba: Mamba-1 + attention (no RoPE) + sparse MoE every other layer, equal to transformers.
+
+The tiny checkpoints are transformers' own JambaForCausalLM with its weights redrawn at unit
+scale (its default init of std 0.02 leaves the mixers' outputs too small for a wrong detail to
+move the logits by more than the tolerance).
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import JambaConfig, JambaForCausalLM
+
+from kvstate.errors import KvstateError
+from kvstate.models.loader import load_model
+from tests.models.checks import check_all, check_full_forward, save_and_load
+
+VOCAB = 101
+# awkward on purpose: GQA with one KV head, head dims 32 and 48, two attention layers, four
+# experts (top-2) every other layer; dt_rank "auto" (ceil(hidden / 16) = 6) and explicit
+BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=64, num_hidden_layers=6, num_key_value_heads=1,
+            attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+            num_experts_per_tok=2, mamba_expand=2)
+CASES = {
+    "head32": dict(num_attention_heads=3, mamba_d_state=16, mamba_d_conv=4),
+    "head48-projbias-noconvbias": dict(num_attention_heads=2, mamba_d_state=8, mamba_d_conv=3, mamba_dt_rank=5,
+                                       mamba_proj_bias=True, mamba_conv_bias=False),
+}
+
+
+def redraw(model: torch.nn.Module, seed: int) -> None:
+    """Unit-scale random weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), A_log of the
+    S4D init plus noise, D and biases ~ N(0, 0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("A_log"):
+                p.add_(0.3 * noise)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.dim() >= 2:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:  # D, dt_proj / conv / projection biases
+                p.copy_(0.5 * noise)
+
+
+def tiny(case: str, seed: int = 0) -> JambaForCausalLM:
+    torch.manual_seed(seed)
+    hf = JambaForCausalLM(JambaConfig(**BASE, **CASES[case])).eval()
+    redraw(hf, seed)
+    return hf
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jamba_matches_transformers(tmp_path, case):
+    hf = tiny(case)
+    model, plan = save_and_load(hf, tmp_path)
+    assert plan.layer_string == "SASSAS"
+    assert [layer.ffn.kind for layer in plan.layers] == ["mlp", "moe"] * 3
+    check_all(model, hf, VOCAB)
+
+
+def test_jamba_cache_shapes_agree_with_the_cache_spec(tmp_path):
+    """The pools the model asks for are the planner's per-slot state and conv entries."""
+    from kvstate.cache.pools import layer_cache_shapes
+    from kvstate.cache.spec import cache_spec
+
+    hf = tiny("head32")
+    model, plan = save_and_load(hf, tmp_path)
+    spec = {e.layer: e for e in cache_spec(plan).entries}
+    for i, shapes in enumerate(layer_cache_shapes(model, block_size=16)):
+        if plan.layers[i].letter == "S":
+            assert shapes == {"state": spec[i].recurrent.shape, "conv": spec[i].conv.shape}
+        else:
+            assert shapes["k"] == (16, *spec[i].kv.shape[1:])
+
+
+def _rewrite(tmp_path, edit) -> None:
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_jamba_missing_tensor_is_named(tmp_path):
+    tiny("head32").save_pretrained(tmp_path)
+    _rewrite(tmp_path, lambda t: t.pop("model.layers.2.mamba.dt_layernorm.weight"))
+    with pytest.raises(KvstateError, match=r"layers\.2\.mixer\.dt_layernorm\.weight"):
+        load_model(tmp_path)
+
+
+def test_jamba_wrong_shape_is_named(tmp_path):
+    tiny("head32").save_pretrained(tmp_path)
+    key = "model.layers.3.mamba.A_log"
+    _rewrite(tmp_path, lambda t: t.__setitem__(key, t[key][:, :-1].contiguous()))
+    with pytest.raises(KvstateError, match=r"model\.layers\.3\.mamba\.A_log.*shape"):
+        load_model(tmp_path)
+
+
+def test_jamba_fused_expert_checkpoint_loads(tmp_path):
+    """Experts stored fused (feed_forward.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], the
+    layout transformers holds in memory) load like the per-expert tensors it writes."""
+    hf = tiny("head32", seed=3)
+    hf.save_pretrained(tmp_path)
+    state = hf.state_dict()
+
+    def fuse(tensors):
+        for key in [k for k in tensors if ".experts." in k]:
+            del tensors[key]
+        for key, value in state.items():
+            if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[key] = value.contiguous()
+
+    _rewrite(tmp_path, fuse)
+    model, _ = load_model(tmp_path)
+    check_full_forward(model, hf, VOCAB)
