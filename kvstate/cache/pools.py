@@ -54,3 +54,41 @@ def allocate(model, *, num_blocks: int, block_size: int, num_slots: int, kv_dtyp
             parts[key] = torch.zeros((count, *shape), dtype=dtypes[key])
         caches.append(LayerCache(**parts))
     return caches
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def allocate_from_spec(spec, num_layers: int, *, num_blocks: int, block_size: int, num_slots: int) -> list[LayerCache]:
+    """Zero-filled pools exactly as the memory planner's cache spec (kvstate.cache.spec) describes them.
+
+    Per attention entry: k and v [num_blocks, block_size, Hkv, D] (the spec's per-token [2, Hkv, D]);
+    per MLA entry: latent [num_blocks, block_size, R]; per linear entry: state [num_slots, *recurrent]
+    and conv [num_slots, *conv]. So the pools hold num_blocks * block_size * kv_bytes_per_token +
+    num_slots * state_bytes, the planner's arithmetic."""
+    caches = [LayerCache() for _ in range(num_layers)]
+    for e in spec.entries:
+        c = caches[e.layer]
+        if e.kv is not None:
+            dtype = _TORCH_DTYPES[e.kv.dtype]
+            if e.kind == "attention":  # per token [2, Hkv, D]
+                shape = (num_blocks, block_size, *e.kv.shape[1:])
+                c.k, c.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+            else:  # MLA: one latent per token
+                c.latent = torch.zeros((num_blocks, block_size, *e.kv.shape), dtype=dtype)
+        if e.recurrent is not None:
+            c.state = torch.zeros((num_slots, *e.recurrent.shape), dtype=_TORCH_DTYPES[e.recurrent.dtype])
+        if e.conv is not None:
+            c.conv = torch.zeros((num_slots, *e.conv.shape), dtype=_TORCH_DTYPES[e.conv.dtype])
+    return caches
+
+
+def check_against_model(caches: list[LayerCache], model, block_size: int) -> None:
+    """Raise ValueError if a layer's pools do not have the shapes its mixer declares."""
+    for i, (cache, shapes) in enumerate(zip(caches, layer_cache_shapes(model, block_size))):
+        for key, shape in shapes.items():
+            t = getattr(cache, key)
+            if t is None or tuple(t.shape[1:]) != tuple(shape):
+                got = None if t is None else tuple(t.shape[1:])
+                raise ValueError(f"layer {i}: pool {key!r} has per-entry shape {got}, the model needs {tuple(shape)}")

@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 
 from kvstate.config.fields import ConfigView
+from kvstate.config.options import ModelOptions
 from kvstate.config.plan import LayerSpec, Mamba1Spec, ModelPlan
 from kvstate.families._common import attention, build_plan, mlp, moe
+from kvstate.families._options import eps
+from kvstate.families._weights import Target, common_targets
 
 MODEL_TYPES = ("jamba",)
 
@@ -46,3 +49,34 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     n_mamba = sum(layer.mixers[0] is mamba for layer in layers)
     # dt/B/C RMSNorms inside each Jamba Mamba mixer
     return build_plan(cfg, name, "jamba", layers, extra_linear=n_mamba * (mamba.dt_rank + 2 * d_state))
+
+
+# -- model building (kvstate.models) -------------------------------------------------------------
+
+_RULES = (
+    (r"final_layernorm\.weight", "norm.weight"),
+    (r"layers\.(\d+)\.pre_ff_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    (r"layers\.(\d+)\.mamba\.conv1d\.(weight|bias)", r"layers.\1.mixer.conv_\2"),
+    (r"layers\.(\d+)\.mamba\.(A_log|D)", r"layers.\1.mixer.\2"),
+    (r"layers\.(\d+)\.mamba\.(\w+)\.(weight|bias)", r"layers.\1.mixer.\2.\3"),
+    (r"layers\.(\d+)\.feed_forward\.(gate_proj|up_proj|down_proj)\.weight", r"layers.\1.ffn.\2.weight"),
+    (r"layers\.(\d+)\.feed_forward\.router\.weight", r"layers.\1.ffn.gate.weight"),
+    (r"layers\.(\d+)\.feed_forward\.experts\.gate_up_proj", r"layers.\1.ffn.experts.gate_up"),
+    (r"layers\.(\d+)\.feed_forward\.experts\.down_proj", r"layers.\1.ffn.experts.down"),
+)
+
+
+def model_options(cfg: ConfigView) -> ModelOptions:
+    """Plain RMSNorm, attention without positions, softmax top-k routing without renormalization."""
+    act = cfg.str("hidden_act", default="silu")
+    if act not in ("silu", "swish"):  # it is also the activation of the Mamba conv, which runs SiLU only
+        raise cfg.error("hidden_act", f"{act!r} is not supported for Jamba (the Mamba conv runs silu)")
+    mamba = {"conv_bias": cfg.bool("mamba_conv_bias", default=True),
+             "proj_bias": cfg.bool("mamba_proj_bias", default=False), "act": act}
+    return ModelOptions(norm_eps=eps(cfg), act=act, rope_theta=None,
+                        router={"kind": "softmax", "norm_topk": False}, mixer={"mamba1": mamba})
+
+
+def weight_targets(name: str, plan) -> list[Target] | None:
+    """HF names (model.layers.{i}.mamba.*, .feed_forward.*, per-expert or fused experts) -> ours."""
+    return common_targets(name, plan, extra_rules=_RULES)

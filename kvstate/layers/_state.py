@@ -18,4 +18,7 @@ def read_slots(pool: torch.Tensor, batch) -> torch.Tensor:
 
 
 def write_slots(pool: torch.Tensor, batch, rows: torch.Tensor) -> None:
+    """rows [N, *shape] -> the batch's slots. A conv pool kept at kernel - 1 columns takes the newest ones."""
+    if rows.shape[-1] != pool.shape[-1]:
+        rows = rows[..., -pool.shape[-1]:]
     pool.index_copy_(0, batch.state_slots, rows.to(pool.dtype))

@@ -31,6 +31,23 @@ def save_and_load(hf_model, tmp_path):
     return model, plan
 
 
+def redraw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Redraw a tiny model's weights at unit scale, so that a wrong detail moves the logits.
+
+    transformers' init (std 0.02) leaves every mixer's output far below the residual stream.
+    Matrices (and fused expert stacks) become N(0, 1/fan_in); vectors keep their init plus noise:
+    0.1 for norm weights (ones- or zero-centred alike), 0.3 for A_log, 0.5 for biases, D, dt_bias.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2 and not name.endswith("A_log"):
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            else:
+                p.add_(noise * (0.1 if "norm" in name else 0.3 if name.endswith("A_log") else 0.5))
+
+
 def random_ids(vocab: int, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -67,8 +84,10 @@ def check_decode_equals_full(model, vocab: int, prompt_len: int = 37, steps: int
 @torch.inference_mode()
 def check_greedy(model, hf_model, vocab: int, prompt_len: int = 11, new: int = 32) -> None:
     ids = random_ids(vocab, prompt_len, 2)
-    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+    # an explicit mask: generate() would otherwise mask every prompt token equal to pad_token_id
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    ref = hf_model.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
     ours = greedy_generate(model, ids, new)
     assert ours == ref
 

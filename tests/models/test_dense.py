@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from tests.models.checks import check_all, save_and_load
+from tests.models.checks import check_all, redraw_weights, save_and_load
 
 VOCAB = 97
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -20,6 +20,7 @@ def test_dense_matches_transformers(tmp_path, cfg_cls, model_cls, extra):
     cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, **extra)
     hf = model_cls(cfg).eval()
+    redraw_weights(hf, 0)
     model, plan = save_and_load(hf, tmp_path)
     assert plan.layer_string == "AAA"
     check_all(model, hf, VOCAB)

@@ -1,8 +1,8 @@
 """Jamba: Mamba-1 + attention (no RoPE) + sparse MoE every other layer, equal to transformers.
 
 The tiny checkpoints are transformers' own JambaForCausalLM with its weights redrawn at unit
-scale (its default init of std 0.02 leaves the mixers' outputs too small for a wrong detail to
-move the logits by more than the tolerance).
+scale (`redraw_weights`: its default init of std 0.02 leaves the mixers' outputs too small for a
+wrong detail to move the logits by more than the tolerance).
 """
 
 import pytest
@@ -12,7 +12,8 @@ from transformers import JambaConfig, JambaForCausalLM
 
 from kvstate.errors import KvstateError
 from kvstate.models.loader import load_model
-from tests.models.checks import check_all, check_full_forward, save_and_load
+from tests.models.checks import (check_all, check_full_forward, check_saved_loads_in_transformers, redraw_weights,
+                                 save_and_load)
 
 VOCAB = 101
 # awkward on purpose: GQA with one KV head, head dims 32 and 48, two attention layers, four
@@ -27,52 +28,42 @@ CASES = {
 }
 
 
-def redraw(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale random weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), A_log of the
-    S4D init plus noise, D and biases ~ N(0, 0.5)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("A_log"):
-                p.add_(0.3 * noise)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * noise)
-            elif p.dim() >= 2:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-            else:  # D, dt_proj / conv / projection biases
-                p.copy_(0.5 * noise)
-
-
 def tiny(case: str, seed: int = 0) -> JambaForCausalLM:
     torch.manual_seed(seed)
     hf = JambaForCausalLM(JambaConfig(**BASE, **CASES[case])).eval()
-    redraw(hf, seed)
+    redraw_weights(hf, seed)
     return hf
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_jamba_matches_transformers(tmp_path, case):
+def test_jamba_matches_transformers_and_saves_back(tmp_path, case):
     hf = tiny(case)
     model, plan = save_and_load(hf, tmp_path)
     assert plan.layer_string == "SASSAS"
     assert [layer.ffn.kind for layer in plan.layers] == ["mlp", "moe"] * 3
     check_all(model, hf, VOCAB)
+    check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)
 
 
-def test_jamba_cache_shapes_agree_with_the_cache_spec(tmp_path):
-    """The pools the model asks for are the planner's per-slot state and conv entries."""
+def test_jamba_v0_1_builds_to_the_planned_size_and_cache():
+    """The real Jamba v0.1 config, built on the meta device: as many parameters as the planner
+    estimates (51.6B) and exactly the per-slot state / conv and per-token KV shapes of its cache spec."""
     from kvstate.cache.pools import layer_cache_shapes
     from kvstate.cache.spec import cache_spec
+    from kvstate.config import read_plan
+    from kvstate.config.fields import ConfigView
+    from kvstate.families import jamba
+    from kvstate.models.build import build_model
 
-    hf = tiny("head32")
-    model, plan = save_and_load(hf, tmp_path)
+    plan = read_plan("jamba-v0.1")
+    model = build_model(plan, jamba.model_options(ConfigView(plan.config, plan.source)), device="meta")
+    assert sum(p.numel() for p in model.parameters()) == plan.params.total
     spec = {e.layer: e for e in cache_spec(plan).entries}
     for i, shapes in enumerate(layer_cache_shapes(model, block_size=16)):
         if plan.layers[i].letter == "S":
             assert shapes == {"state": spec[i].recurrent.shape, "conv": spec[i].conv.shape}
         else:
-            assert shapes["k"] == (16, *spec[i].kv.shape[1:])
+            assert shapes == {"k": (16, *spec[i].kv.shape[1:]), "v": (16, *spec[i].kv.shape[1:])}
 
 
 def _rewrite(tmp_path, edit) -> None:
@@ -114,3 +105,30 @@ def test_jamba_fused_expert_checkpoint_loads(tmp_path):
     _rewrite(tmp_path, fuse)
     model, _ = load_model(tmp_path)
     check_full_forward(model, hf, VOCAB)
+
+
+@torch.inference_mode()
+def test_jamba_batched_decode_in_shuffled_slots_equals_each_alone(tmp_path):
+    """Three sequences prefilled together, then decoded together from state slots and KV blocks
+    in another order than the batch's, give each sequence's own full-forward logits."""
+    from kvstate.models.batch import Batch
+    from kvstate.models.generate import contiguous_caches, forward_logits
+
+    from tests.models.checks import random_ids, rel_err
+
+    model, _ = save_and_load(tiny("head32", seed=4), tmp_path)
+    prompts, steps = (9, 3, 14), 5
+    seqs = [random_ids(VOCAB, n + steps, 20 + i) for i, n in enumerate(prompts)]
+    slots, max_len = [2, 0, 1], max(prompts) + steps
+    caches = contiguous_caches(model, 3, max_len)
+    tables = [[s] for s in slots]
+    batch = Batch.build(list(prompts), [0, 0, 0], slots, tables, max_len, logits="all")
+    rows = list(model(torch.tensor([t for s, n in zip(seqs, prompts) for t in s[:n]]), batch, caches)
+                .split(list(prompts)))
+    for j in range(steps):
+        batch = Batch.build([1, 1, 1], [n + j for n in prompts], slots, tables, max_len)
+        out = model(torch.tensor([s[n + j] for s, n in zip(seqs, prompts)]), batch, caches)
+        rows = [torch.cat([r, out[i : i + 1]]) for i, r in enumerate(rows)]
+    for seq, got in zip(seqs, rows):
+        alone = forward_logits(model, [seq])[0]
+        assert rel_err(got, alone) <= 1e-4, rel_err(got, alone)

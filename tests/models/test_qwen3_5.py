@@ -5,7 +5,7 @@ import torch
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
-from tests.models.checks import check_all, save_and_load
+from tests.models.checks import check_all, redraw_weights, save_and_load
 
 VOCAB = 101
 # awkward on purpose: grouped value heads (2 key / 4 value), head dims 32 and 48, two full-attention layers
@@ -18,6 +18,7 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5, num_attention
 def test_qwen3_5_text(tmp_path):
     torch.manual_seed(0)
     hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **TEXT)).eval()
+    redraw_weights(hf, 0)
     model, plan = save_and_load(hf, tmp_path)
     assert plan.layer_string == "GAGGA"
     check_all(model, hf, VOCAB)
@@ -28,6 +29,7 @@ def test_qwen3_5_moe_text(tmp_path):
     cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                shared_expert_intermediate_size=48, **TEXT)
     hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    redraw_weights(hf, 1)
     model, plan = save_and_load(hf, tmp_path)
     check_all(model, hf, VOCAB)
 
@@ -40,6 +42,7 @@ def test_qwen3_5_vision_language_checkpoint_runs_its_text_model(tmp_path):
                                            out_hidden_size=64, patch_size=2, temporal_patch_size=1,
                                            spatial_merge_size=1))
     hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    redraw_weights(hf, 2)
     model, plan = save_and_load(hf, tmp_path)
     assert plan.model_type in ("qwen3_5", "qwen3_5_text")
     check_all(model, hf, VOCAB)

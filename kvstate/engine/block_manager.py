@@ -1,0 +1,195 @@
+"""Bookkeeping of the two cache pools: paged KV blocks and state slots (no torch).
+
+The tensors live in `kvstate.cache.pools` (KV pools `[num_blocks, block_size, ...]` per
+attention layer, state/conv pools `[num_slots, ...]` per linear layer); here we only decide
+which ids a sequence owns. One block id or slot id indexes every layer's pool.
+
+- `BlockManager`: a free list and a reference count per block. A sequence's block table is a
+  list of ids in token order; `grow` appends blocks until it covers a number of tokens, `free`
+  drops one reference per block. Counts above 1 let later prefix caching share full blocks
+  between sequences (`share`); a block returns to the free list when its count reaches 0.
+- `SlotManager`: free state slots, one per running sequence. `copy_slot` reserves a spare slot
+  and queues a copy (src -> dst) for the runner to carry out on the tensors before the next
+  forward: the hook for state snapshots (prefix caching) and rollback (speculative decoding).
+
+`pool_sizes` turns a cache budget and the memory planner's `CacheSpec` into the pool sizes,
+so the bytes the engine allocates are the planner's arithmetic.
+
+Misuse (freeing a free block, allocating past the pool) raises `CacheAccountingError`: that is a
+bug in the engine, never user input.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvstate.errors import KvstateError
+
+
+class CacheAccountingError(RuntimeError):
+    """A block or slot was used in a way the bookkeeping forbids (an engine bug)."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 0 or block_size < 1:
+            raise ValueError(f"num_blocks must be >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def blocks_missing(self, table: list[int], num_tokens: int) -> int:
+        """New blocks `table` needs to cover `num_tokens` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(table))
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.blocks_missing(table, num_tokens) <= len(self._free)
+
+    def capacity(self, table: list[int]) -> int:
+        """Tokens `table` could hold if it took every free block."""
+        return (len(table) + len(self._free)) * self.block_size
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` fresh blocks (reference count 1 each)."""
+        if n > len(self._free):
+            raise CacheAccountingError(f"asked for {n} KV blocks, {len(self._free)} free")
+        out = [self._free.popleft() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def grow(self, table: list[int], num_tokens: int) -> list[int]:
+        """Append blocks to `table` (in place) until it covers `num_tokens` tokens; returns the new ids."""
+        new = self.allocate(self.blocks_missing(table, num_tokens))
+        table.extend(new)
+        return new
+
+    def share(self, block_ids: list[int]) -> list[int]:
+        """Add a reference to blocks already in use (another sequence reads the same KV)."""
+        for b in block_ids:
+            if self._refs[b] < 1:
+                raise CacheAccountingError(f"cannot share KV block {b}: it is free")
+        for b in block_ids:
+            self._refs[b] += 1
+        return list(block_ids)
+
+    def free(self, table: list[int]) -> None:
+        """Drop one reference per block of `table` (last first) and empty it."""
+        for b in reversed(table):
+            if self._refs[b] < 1:
+                raise CacheAccountingError(f"KV block {b} freed more often than referenced")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+        table.clear()
+
+
+class SlotManager:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._used = [False] * num_slots
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def in_use(self, slot: int) -> bool:
+        return self._used[slot]
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self) -> int:
+        """A free state slot. Its tensors may hold a previous sequence's state: the model reads a
+        sequence with context_len == 0 as starting from zeros, so nothing is cleared here."""
+        if not self._free:
+            raise CacheAccountingError("no free state slot")
+        slot = self._free.popleft()
+        self._used[slot] = True
+        return slot
+
+    def free(self, slot: int) -> None:
+        if not (0 <= slot < self.num_slots) or not self._used[slot]:
+            raise CacheAccountingError(f"state slot {slot} is not in use")
+        self._used[slot] = False
+        self._free.append(slot)
+        # a queued copy into or out of a freed slot would write or read dead state
+        self._copies = [(s, d) for s, d in self._copies if slot not in (s, d)]
+
+    def copy_slot(self, src: int, dst: int | None = None) -> int:
+        """Queue a copy of slot `src` into `dst` (a fresh spare slot when None); returns dst.
+        The copy happens on the tensors when the runner calls `take_copies` before a forward."""
+        if not (0 <= src < self.num_slots) or not self._used[src]:
+            raise CacheAccountingError(f"cannot copy state slot {src}: it is not in use")
+        if dst is None:
+            dst = self.allocate()
+        elif not (0 <= dst < self.num_slots) or not self._used[dst] or dst == src:
+            raise CacheAccountingError(f"cannot copy state slot {src} into {dst}: target not a distinct slot in use")
+        self._copies.append((src, dst))
+        return dst
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued (src, dst) copies, in order, and clear the queue."""
+        out, self._copies = self._copies, []
+        return out
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_blocks: int
+    num_slots: int
+    block_bytes: int  # KV bytes of one block, all attention layers together
+    slot_bytes: int  # state bytes of one slot (recurrent + conv), all linear layers together
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+
+def pool_sizes(spec, cache_bytes: int, *, block_size: int, num_slots: int, max_model_len: int) -> PoolSizes:
+    """Pools for `cache_bytes`: `num_slots` state slots first, every byte left as KV blocks.
+
+    `spec` is a `kvstate.cache.CacheSpec` (kv_bytes_per_token, state_bytes per request). A model
+    without KV layers still gets block ids for the bookkeeping (num_slots full-length sequences),
+    at zero bytes. Raises KvstateError when the budget cannot hold the slots and one block."""
+    slot_bytes, block_bytes = spec.state_bytes, spec.kv_bytes_per_token * block_size
+    states = num_slots * slot_bytes
+    if block_bytes == 0:
+        if states > cache_bytes:
+            raise KvstateError(f"--cache-memory: {cache_bytes} bytes cannot hold {num_slots} state slots "
+                               f"of {slot_bytes} bytes")
+        return PoolSizes(num_slots * -(-max_model_len // block_size), num_slots, 0, slot_bytes)
+    num_blocks = (cache_bytes - states) // block_bytes
+    if num_blocks < 1:
+        raise KvstateError(f"--cache-memory: {cache_bytes} bytes cannot hold {num_slots} state slots of "
+                           f"{slot_bytes} bytes plus one KV block of {block_bytes} bytes")
+    return PoolSizes(num_blocks, num_slots, block_bytes, slot_bytes)

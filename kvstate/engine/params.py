@@ -1,0 +1,120 @@
+"""SamplingParams: how one request is decoded and when it stops (no torch).
+
+Field names and meanings follow vLLM's `SamplingParams`, which users already know:
+
+    temperature     0 (below 1e-5, as vLLM) = greedy argmax; otherwise logits / temperature
+    top_k           keep the k most likely tokens; 0 or -1 = off
+    top_p           keep the smallest set of most likely tokens whose mass reaches top_p; 1 = off
+    min_p           drop tokens less likely than min_p * p(most likely token); 0 = off
+    seed            per-request random generator (reproducible whatever the batch around it)
+    stop            strings that end the output (not included in the text)
+    stop_token_ids  token ids that end the output (included in token_ids)
+    max_tokens      most tokens to generate (None = up to the model's maximum length)
+    ignore_eos      keep generating past the end-of-sequence token
+    logprobs        None = none; n >= 0 = the chosen token's logprob plus the n most likely
+
+Filters run in vLLM's order: temperature, min_p, top_k, top_p. Invalid values raise
+KvstateError (a ValueError) naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+from kvstate.errors import KvstateError
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
+def _int(name: str, value, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        raise KvstateError(f"SamplingParams.{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KvstateError(f"SamplingParams.{name} must be an integer, got {value!r}") from None
+
+
+def _float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise KvstateError(f"SamplingParams.{name} must be a number, got {value!r}")
+    out = float(value)
+    if math.isnan(out):
+        raise KvstateError(f"SamplingParams.{name} must be a number, got nan")
+    return out
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "SamplingParams":
+        """Check and normalize every field in place (stop -> list, top_k -1 -> 0); returns self."""
+        self.temperature = _float("temperature", self.temperature)
+        if not (0.0 <= self.temperature < math.inf):
+            raise KvstateError(f"SamplingParams.temperature must be >= 0 and finite, got {self.temperature}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise KvstateError(f"SamplingParams.top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.top_p = _float("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise KvstateError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        self.min_p = _float("min_p", self.min_p)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise KvstateError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        self.seed = _int("seed", self.seed, allow_none=True)
+        self.stop = self._stop_strings(self.stop)
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise KvstateError(f"SamplingParams.stop_token_ids must be a list of integers, got {ids!r}")
+        self.stop_token_ids = [_int("stop_token_ids", t) for t in ids]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise KvstateError(f"SamplingParams.max_tokens must be >= 1 (or None), got {self.max_tokens}")
+        if not isinstance(self.ignore_eos, bool):
+            raise KvstateError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.logprobs = _int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and self.logprobs < 0:
+            raise KvstateError(f"SamplingParams.logprobs must be >= 0 (or None), got {self.logprobs}")
+        return self
+
+    @staticmethod
+    def _stop_strings(stop) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not hasattr(items, "__iter__"):
+            raise KvstateError(f"SamplingParams.stop must be a string or a list of strings, got {stop!r}")
+        items = list(items)
+        for s in items:
+            if not isinstance(s, str) or not s:
+                raise KvstateError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+        return items
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def filters(self) -> bool:
+        """Whether any of min_p, top_k, top_p changes the distribution."""
+        return self.min_p > 0 or self.top_k > 0 or self.top_p < 1

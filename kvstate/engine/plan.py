@@ -1,0 +1,84 @@
+"""A step plan: which sequences compute how many tokens this step, as host lists (no torch).
+
+The scheduler fills it; the runner turns it into a forward pass:
+
+    plan = scheduler.schedule()
+    batch = Batch.build(**plan.batch_args())               # kvstate.models.batch
+    logits = model(torch.tensor(plan.input_ids()), batch, caches)   # [len(plan), vocab]
+    rows = logits[plan.sample_indices]                     # only the sequences that caught up
+    tokens = sample(rows, plan.sample_params(), ...)
+    finished = scheduler.postprocess(plan, tokens)
+
+Every entry computes at least one token, so with `logits="last"` logits row i belongs to entry
+i. Only entries whose cache catches up with their known tokens this step (`samples[i]`) get a
+new token; a prompt chunk in the middle of a chunked prefill does not, and its logits row must
+not be sampled (a seeded generator would drift with the chunking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstate.engine.params import SamplingParams
+from kvstate.engine.sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    block_size: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    context_lens: list[int] = field(default_factory=list)  # tokens already cached before this step
+    block_tables: list[list[int]] = field(default_factory=list)  # copies taken when scheduled
+    state_slots: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # entry gets a new token after this step
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting by this step
+
+    def add(self, seq: Sequence, n: int) -> None:
+        assert n >= 1 and seq.state_slot is not None, (n, seq.state_slot)
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.context_lens.append(seq.num_computed_tokens)
+        self.block_tables.append(list(seq.block_table))
+        self.state_slots.append(seq.state_slot)
+        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def entries(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens it computes this step), in batch order."""
+        return list(zip(self.seqs, self.num_tokens))
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Entries (= logits rows with logits="last") whose next token must be sampled."""
+        return [i for i, s in enumerate(self.samples) if s]
+
+    def sample_params(self) -> list[SamplingParams]:
+        return [self.seqs[i].params for i in self.sample_indices]
+
+    def sample_seqs(self) -> list[Sequence]:
+        return [self.seqs[i] for i in self.sample_indices]
+
+    def batch_args(self) -> dict:
+        """Keyword arguments of `Batch.build` for this step (logits="last" is its default)."""
+        return {"query_lens": list(self.num_tokens), "context_lens": list(self.context_lens),
+                "state_slots": list(self.state_slots), "block_tables": [list(t) for t in self.block_tables],
+                "block_size": self.block_size}
+
+    def input_ids(self) -> list[int]:
+        """The packed token ids the step feeds, sequence after sequence."""
+        out: list[int] = []
+        for seq, c, n in zip(self.seqs, self.context_lens, self.num_tokens):
+            out.extend(seq.token_ids(c, c + n))
+        return out

@@ -1,0 +1,56 @@
+"""The model runner: owns the model and its cache pools, and runs one scheduled step.
+
+Pools are allocated once, from the memory planner's cache spec (`kvstate.cache.spec`) and the
+budget split of `pool_sizes`, so the bytes they hold are the planner's prediction. A step turns
+the scheduler's host lists into a packed `Batch` (cu_seqlens, block tables, slot ids, slot
+mapping), runs the model (prefill chunks through the chunk ops, all-decode steps through the
+recurrent ops and paged attention; each layer writes its states back to its slots) and returns
+the logits rows that must be sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstate.cache.pools import LayerCache, allocate_from_spec, check_against_model
+from kvstate.cache.spec import cache_spec
+from kvstate.engine.block_manager import pool_sizes
+from kvstate.models.batch import Batch
+
+
+class ModelRunner:
+    def __init__(self, model, plan, *, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
+                 kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
+                 conv_window: str = "kernel"):
+        self.model, self.plan, self.block_size = model, plan, block_size
+        self.spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
+                               conv_window=conv_window)
+        self.sizes = pool_sizes(self.spec, cache_bytes, block_size=block_size, num_slots=num_slots,
+                                max_model_len=max_model_len)
+        self.caches: list[LayerCache] = allocate_from_spec(self.spec, plan.num_layers, num_blocks=self.sizes.num_blocks,
+                                                           block_size=block_size, num_slots=num_slots)
+        check_against_model(self.caches, model, block_size)
+
+    @property
+    def pool_bytes(self) -> dict[str, int]:
+        """Bytes the pools hold: {"kv": ..., "state": ...} (state = recurrent + conv)."""
+        kv = sum(c.nbytes(("k", "v", "latent")) for c in self.caches)
+        state = sum(c.nbytes(("state", "conv")) for c in self.caches)
+        return {"kv": kv, "state": state}
+
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole state slots (src -> dst) in every linear layer (snapshots for later features)."""
+        for src, dst in copies:
+            for c in self.caches:
+                for t in (c.state, c.conv):
+                    if t is not None:
+                        t[dst].copy_(t[src])
+
+    @torch.inference_mode()
+    def run(self, step) -> torch.Tensor:
+        """Run a StepPlan; returns logits [len(step.sample_indices), vocab] (fp32)."""
+        batch = Batch.build(**step.batch_args())
+        ids = torch.tensor(step.input_ids(), dtype=torch.int64)
+        logits = self.model(ids, batch, self.caches)  # one row per entry (logits="last")
+        rows = step.sample_indices
+        return logits if len(rows) == len(step) else logits[rows]

@@ -1,0 +1,288 @@
+"""Continuous batching with chunked prefill over paged KV blocks and state slots (no torch).
+
+One engine step is `plan = schedule()`, run the model on the plan, `postprocess(plan, tokens)`.
+Requests wait in a FIFO queue; running sequences are kept in admission order. `schedule()`
+spends a budget of `max_num_batched_tokens` tokens in this order:
+
+1. **Decodes** (running sequences one token behind), oldest first, one token each. A decode
+   that needs a new KV block and finds none preempts the most recently admitted running
+   sequence not yet scheduled this step, repeatedly; if that is itself, it is preempted.
+2. **Continuing prefills** (running sequences further behind: a chunked prompt, or a recompute),
+   oldest first, as many tokens as the budget allows, cut down to the KV blocks still free. If
+   not one token fits, newer unscheduled sequences are preempted; if there are none it waits
+   (keeping its cache) for a later step.
+3. **Admissions**, first come first served, only if nothing was preempted this step: the head
+   of the queue starts when a state slot is free, fewer than `max_num_seqs` run, and the free
+   blocks hold its first chunk (min(prompt, budget left)); otherwise admission stops (no
+   overtaking, so long prompts are not starved).
+
+A preempted sequence gives back its blocks and slot, goes to the front of the queue, and is
+later recomputed from scratch (prompt + outputs so far; its linear-layer state cannot be cut).
+The scheduler decides token counts only: chunked prefill works because the runner carries the
+state slot from chunk to chunk.
+
+`postprocess` appends sampled tokens and finishes sequences on: eos (unless ignore_eos),
+stop_token_ids, stop strings (through the `detokenize` callable the LLM passes in), max_tokens,
+or the model's maximum length; their blocks and slot go back to the pools. Malformed or
+oversized requests are rejected at `add` (status REJECTED, `error` set) and reported by the next
+`postprocess` with the finished ones; the others keep running.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvstate.engine.block_manager import BlockManager, SlotManager
+from kvstate.engine.params import SamplingParams
+from kvstate.engine.plan import StepPlan
+from kvstate.engine.sequence import Sequence, SequenceStatus
+
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # KV blocks in the pool
+    block_size: int  # tokens per KV block
+    num_slots: int  # state slots in the pool
+    max_model_len: int  # most tokens (prompt + output) a sequence may hold
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    max_num_seqs: int = 64  # most running sequences
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_slots", "max_model_len", "vocab_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 0:
+            raise ValueError(f"SchedulerConfig.num_blocks must be >= 0, got {self.num_blocks}")
+        object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, *, detokenize: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.slots = SlotManager(config.num_slots)
+        self.detokenize = detokenize  # output token ids -> text, needed only for stop strings
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+        self._live: dict[object, Sequence] = {}  # request id -> waiting or running sequence
+        self._outbox: list[Sequence] = []  # finished or rejected since the last postprocess
+        self._pending: StepPlan | None = None
+
+    # requests ------------------------------------------------------------------------------
+    def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
+            arrival_time: float | None = None) -> Sequence:
+        """Queue a request. A malformed one comes back REJECTED with `error` set (no exception)."""
+        now = self.clock() if arrival_time is None else arrival_time
+        params = SamplingParams() if params is None else params
+        tokens, error = self._check(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, tokens, params, arrival_time=now)
+        if error is not None:
+            seq.status, seq.finish_reason, seq.error, seq.finished_time = SequenceStatus.REJECTED, "error", error, now
+            self._outbox.append(seq)
+            return seq
+        self._live[request_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id) -> bool:
+        """Stop a waiting or running request now (finish_reason "abort"); False if unknown."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        if seq.status is WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort", None, self.clock())
+        return True
+
+    def has_work(self) -> bool:
+        """Whether a step is still needed: sequences to run, or results not yet reported."""
+        return bool(self.waiting or self.running or self._outbox)
+
+    def _check(self, request_id, prompt, params) -> tuple[list[int], str | None]:
+        """(normalized prompt, None) or (whatever could be read, the reason to reject)."""
+        cfg = self.config
+        if request_id in self._live:
+            return [], f"request id {request_id!r} is already in use"
+        if not isinstance(params, SamplingParams):
+            return [], f"params must be SamplingParams, got {type(params).__name__}"
+        try:
+            params.validate()
+        except ValueError as e:
+            return [], str(e)
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            return [], f"prompt must be a list of token ids, got {type(prompt).__name__}"
+        tokens: list[int] = []
+        for i, t in enumerate(prompt):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                tokens.append(operator.index(t))
+            except TypeError:
+                return tokens, f"prompt token {i} is {t!r}, not an integer token id"
+            if not 0 <= tokens[-1] < cfg.vocab_size:
+                return tokens, f"prompt token {i} is {tokens[-1]}, outside the vocabulary [0, {cfg.vocab_size})"
+        if not tokens:
+            return tokens, "prompt is empty"
+        if len(tokens) > cfg.max_model_len:
+            return tokens, (f"prompt has {len(tokens)} tokens, more than the model's maximum length "
+                            f"{cfg.max_model_len}")
+        # KV is written for every token but the last one sampled; the pool must hold one sequence
+        final = max(cfg.max_model_len, len(tokens) + 1)
+        if params.max_tokens is not None:
+            final = min(final, len(tokens) + params.max_tokens)
+        need = self.blocks.blocks_for(final - 1)
+        if need > cfg.num_blocks:
+            return tokens, (f"prompt plus max_tokens needs up to {need} KV blocks of {cfg.block_size} tokens; "
+                            f"the cache pool holds {cfg.num_blocks}")
+        if params.stop and self.detokenize is None:
+            return tokens, "stop strings need a detokenizer, and none was given to the scheduler"
+        return tokens, None
+
+    # scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Choose this step's (sequence, num_tokens) entries; see the module docstring for the policy."""
+        if self._pending is not None:
+            raise RuntimeError("schedule() called before postprocess() of the previous plan")
+        cfg, now = self.config, self.clock()
+        plan = StepPlan(cfg.block_size)
+        budget = cfg.max_num_batched_tokens
+        scheduled: set[Sequence] = set()  # the sequences in the plan
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not RUNNING or seq in scheduled or (seq.num_remaining_tokens == 1) != decodes:
+                    continue
+                n = self._fit(seq, min(seq.num_remaining_tokens, budget), scheduled, plan, preempt_self=decodes)
+                if n:
+                    plan.add(seq, n)
+                    scheduled.add(seq)
+                    budget -= n
+        while (not plan.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
+               and self.slots.can_allocate()):
+            seq = self.waiting[0]
+            n = min(seq.num_remaining_tokens, budget)
+            if not self.blocks.can_grow(seq.block_table, n):
+                break
+            self.waiting.popleft()
+            seq.state_slot = self.slots.allocate()
+            self.blocks.grow(seq.block_table, n)
+            seq.status = RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            plan.add(seq, n)
+            scheduled.add(seq)
+            budget -= n
+        self._pending = plan
+        return plan
+
+    def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], plan: StepPlan, *, preempt_self: bool) -> int:
+        """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
+        while self.blocks.capacity(seq.block_table) <= seq.num_computed_tokens:
+            victim = self._victim(seq, scheduled, preempt_self)
+            if victim is None:
+                return 0
+            self._preempt(victim, plan)
+            if victim is seq:
+                return 0
+        n = min(n, self.blocks.capacity(seq.block_table) - seq.num_computed_tokens)
+        self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+        return n
+
+    def _victim(self, seq: Sequence, scheduled: set[Sequence], preempt_self: bool) -> Sequence | None:
+        """The most recently admitted running sequence not scheduled this step, newer than `seq`
+        (or `seq` itself when `preempt_self` and no newer one is left)."""
+        for cand in reversed(self.running):
+            if cand is seq:
+                return seq if preempt_self else None
+            if cand not in scheduled:
+                return cand
+        return None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        if seq.state_slot is not None:
+            self.slots.free(seq.state_slot)
+            seq.state_slot = None
+        seq.num_computed_tokens = 0
+
+    # results -------------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+        """Record a step: `token_ids[j]` (and `logprobs[j]`) is the token sampled for entry
+        `plan.sample_indices[j]`. Returns the sequences finished or rejected since the last call."""
+        if plan is not self._pending:
+            raise RuntimeError("postprocess() got a plan that is not the one last scheduled")
+        rows = plan.sample_indices
+        if len(token_ids) != len(rows) or (logprobs is not None and len(logprobs) != len(rows)):
+            raise ValueError(f"expected {len(rows)} sampled tokens (plan.sample_indices), got {len(token_ids)}")
+        self._pending = None
+        now = self.clock()
+        sampled = dict(zip(rows, range(len(rows))))
+        for i, (seq, n) in enumerate(plan.entries):
+            if seq.status is not RUNNING:  # aborted after scheduling
+                continue
+            seq.num_computed_tokens += n
+            j = sampled.get(i)
+            if j is None:
+                continue
+            token = int(token_ids[j])
+            seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[j])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            stop = self._stop(seq, token)
+            if stop is not None:
+                self._finish(seq, *stop, now)
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if p.stop:
+            text = self.detokenize(seq.output_token_ids)
+            hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+            seq.output_text = text
+            if hits:
+                at, s = min(hits, key=lambda h: h[0])
+                seq.output_text = text[:at]
+                return "stop", s
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
+        if seq.status is RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        seq.status, seq.finish_reason, seq.stop_reason, seq.finished_time = (
+            SequenceStatus.FINISHED, reason, stop_reason, now)
+        self._live.pop(seq.request_id, None)
+        self._outbox.append(seq)

@@ -1,0 +1,111 @@
+"""One request as the engine tracks it: tokens, progress through the cache, and what it owns (no torch).
+
+The engine does not tell prefill from decode: a sequence has `num_tokens` known tokens (prompt
+plus outputs) of which `num_computed_tokens` are already in its cache (KV blocks + state slot).
+Each step computes some of the rest; when it catches up, the last logits give the next token.
+A prompt prefilled in chunks, a decode step, and the recompute after a preemption (everything
+dropped, `num_computed_tokens` back to 0, prompt and outputs prefilled again) are the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvstate.engine.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, owns no cache (new, or preempted)
+    RUNNING = "running"  # owns a state slot and KV blocks
+    FINISHED = "finished"  # done: see finish_reason ("stop", "length", "abort")
+    REJECTED = "rejected"  # malformed or too long: see error; never scheduled
+
+
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
+class Sequence:
+    request_id: object
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV and state are in the cache
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
+    state_slot: int | None = None  # state slot id while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why the request was rejected
+    output_text: str | None = None  # set when stop strings are checked (text before the stop)
+    output_logprobs: list = field(default_factory=list)  # what the sampler returned per token
+    generator: object | None = None  # the runner's per-request RNG (opaque here: torch-free)
+    # metrics (clock of the scheduler)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Known tokens not yet in the cache (1 for a decode step)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + outputs, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    # metrics -----------------------------------------------------------------------------
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between output tokens after the first (None with fewer than 2)."""
+        n = self.num_output_tokens
+        if n < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (n - 1)
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def metrics(self) -> dict[str, float | int | None]:
+        return {"time_to_first_token": self.time_to_first_token,
+                "time_per_output_token": self.time_per_output_token,
+                "latency": self.latency,
+                "num_prompt_tokens": self.num_prompt_tokens,
+                "num_output_tokens": self.num_output_tokens,
+                "num_preemptions": self.num_preemptions}
