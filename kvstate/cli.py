@@ -17,6 +17,7 @@ from kvstate.errors import KvstateError
 # name -> one-line help; the module kvstate.commands.<name> implements it.
 COMMANDS: dict[str, str] = {
     "memory": "per-request KV and fixed-state bytes of hybrid models (torch-free)",
+    "generate": "stream a completion from a checkpoint with the engine (paged KV + state slots)",
     "bench": "benchmarks: ops, model, engine (ratios against transformers, fraction of machine limits)",
 }
 

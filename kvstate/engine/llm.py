@@ -76,6 +76,14 @@ class LLM:
             detokenize=self.tokenizer.decode if self.tokenizer else None)
         self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self._ids = itertools.count()
+        self.peak_cache_bytes = {"kv": 0, "state": 0}
+
+    def cache_bytes_in_use(self) -> dict[str, int]:
+        """Bytes of the pools owned by running sequences now: KV blocks and state slots apart."""
+        sizes = self.runner.sizes
+        used_slots = sizes.num_slots - self.scheduler.slots.num_free_slots
+        return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes,
+                "state": used_slots * sizes.slot_bytes}
 
     # -- requests -------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -113,6 +121,8 @@ class LLM:
                 raise KvstateError("the cache pools cannot hold the next waiting request (raise --cache-memory)")
             return self.scheduler.postprocess(plan, [])
         logits = self.runner.run(plan)
+        for key, used in self.cache_bytes_in_use().items():
+            self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
         seqs = plan.sample_seqs()
         out = sample(logits, plan.sample_params(), request_generators(seqs), generator=self._generator)
         want = any(s.params.logprobs is not None for s in seqs)

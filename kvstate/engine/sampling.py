@@ -155,6 +155,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list 
             # every row keeps only tokens among its top k: filter and sample there, exactly the
             # same distribution (min_p and top_p only compare probabilities within that set)
             x, cand = x.topk(max(top_k), dim=-1)  # [R, K]
+            # back in vocabulary order: the inverse CDF then picks the same token for the same u
+            # as the full-vocabulary path, so a seeded row does not depend on its batch
+            cand, order = cand.sort(dim=-1)
+            x = x.gather(1, order)
         probs = process_logits(x, sub).softmax(dim=-1)  # [R, V] or [R, K]
         u = _uniforms(len(rows), [generators[i] for i in rows], generator, probs.device)
         picked = _inverse_cdf(probs, u)

@@ -17,9 +17,8 @@ TEXT = ["the quick brown fox jumps over the lazy dog", "hybrid models keep a fix
         "Gated DeltaNet, KDA, Mamba-2 and Mamba-1 layers", "how many requests fit on my GPU at 128K?"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
+def write_tokenizer(path):
+    """A byte-level BPE trained on a few sentences, with a Qwen-style chat template, saved into `path`."""
     tok = HFTokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -31,6 +30,11 @@ def checkpoint(tmp_path_factory):
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_encode_decode_match_transformers(checkpoint):
