@@ -1,0 +1,85 @@
+"""Kimi Delta Attention (KDA), the linear mixer of Kimi Linear.
+
+q, k, v projections (held as one fused [3 * H * D, hidden] weight: one GEMM) -> one short causal
+conv (SiLU) over the 3 * H * D channels (the checkpoint's q_conv1d / k_conv1d / v_conv1d are its
+row blocks, so the conv state is one [3 * H * D, W] window per slot, as the cache spec counts it);
+per-channel log-decay g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias) [T, H, D];
+beta = sigmoid(b_proj(x)); the KDA recurrence with L2-normed q, k; output norm
+w * rmsnorm(o) * sigmoid(g_b(g_a(x))) per head (Kimi gates with a sigmoid, not SiLU); o_proj.
+Prefill runs chunk_kda over the packed batch (cu_seqlens); decode steps run recurrent_kda.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers.norm import GatedRMSNorm
+from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_kda, recurrent_kda
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel: int, *,
+                 eps: float = 1e-6, act: str = "silu"):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.dim = num_heads * head_dim  # width of each of q, k, v
+        self.conv_kernel = conv_kernel
+        self.act = act
+        self.qkv_proj = nn.Linear(hidden_size, 3 * self.dim, bias=False)  # rows: q, k, v
+        self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, conv_kernel))  # depthwise, [3HD, W]
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank forget gate
+        self.f_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(self.dim))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank output gate
+        self.g_b_proj = nn.Linear(head_dim, self.dim, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps, activation="sigmoid")
+        self.o_proj = nn.Linear(self.dim, hidden_size, bias=False)
+
+    @classmethod
+    def from_spec(cls, spec, hidden_size: int, opts) -> "KimiDeltaAttention":
+        return cls(hidden_size, spec.num_heads, spec.head_dim, spec.conv_kernel, eps=opts.norm_eps,
+                   **opts.for_mixer("kda"))
+
+    def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, 3HD]
+        conv_state = read_slots(cache.conv, batch)  # [N, 3HD, W]
+        decode = batch.decode_only
+        if decode:
+            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight, None, activation=self.act)
+        else:
+            qkv, conv_state = causal_conv1d(qkv[None], self.conv_weight, None, activation=self.act,
+                                            initial_state=conv_state, output_final_state=True,
+                                            cu_seqlens=batch.cu_seqlens)
+            qkv = qkv[0]
+        write_slots(cache.conv, batch, conv_state)
+
+        # decode: [N, 1, H, D] batches; prefill: one packed [1, T, H, D] with cu_seqlens
+        shape = (t, 1, h, d) if decode else (1, t, h, d)
+        q, k, v = (part.reshape(shape) for part in qkv.split(self.dim, dim=-1))
+        gate_in = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # [T, HD]
+        g = -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(t, h, d))  # [T, H, D], <= 0
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        g, beta = g.reshape(shape), beta.reshape(shape[:3])
+        state = read_slots(cache.state, batch)  # [N, H, D, D] fp32
+        if decode:
+            o, state = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
+        write_slots(cache.state, batch, state)
+
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        o = self.o_norm(o.reshape(t, h, d), gate)
+        return self.o_proj(o.reshape(t, self.dim))
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        """Per-slot shapes: recurrent state [H, D, D] and one conv window [3HD, W] for q, k and v."""
+        return {"state": (self.num_heads, self.head_dim, self.head_dim),
+                "conv": (3 * self.dim, self.conv_kernel)}
