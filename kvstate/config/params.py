@@ -68,7 +68,8 @@ def ffn_params(f: FfnSpec, hidden: int) -> tuple[int, int]:
     if f.kind == "mlp":
         return mats * hidden * f.intermediate_size, 0
     if f.kind == "moe":
-        experts = f.num_experts * mats * hidden * f.expert_intermediate_size
+        width = f.latent_size or hidden  # latent MoE: experts between hidden -> latent -> hidden projections
+        experts = f.num_experts * mats * width * f.expert_intermediate_size + 2 * hidden * f.latent_size
         router = hidden * f.num_experts
         shared = mats * hidden * f.shared_intermediate_size
         return 0, experts + router + shared

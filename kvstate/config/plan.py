@@ -151,6 +151,7 @@ class FfnSpec:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_intermediate_size: int = 0  # total width of the always-on shared expert(s), 0 if none
+    latent_size: int = 0  # routed experts work in this width between two projections (Nemotron), 0: hidden
 
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "moe", "none"):

@@ -8,7 +8,8 @@ Routers:
   Nemotron-H; DeepSeek-V3 style).
 Experts are stored fused: gate_up [E, 2I, H] and down [E, H, I] (gated, SwiGLU) or up [E, I, H]
 (plain, Nemotron's relu^2). Shared experts are a dense MLP added to every token, optionally
-scaled by sigmoid(shared_expert_gate(x)) (Qwen).
+scaled by sigmoid(shared_expert_gate(x)) (Qwen). A latent MoE (Nemotron) routes on x but runs the
+experts on fc1_latent_proj(x) and maps their sum back with fc2_latent_proj.
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
                  router: dict | None = None, gated: bool = True, act: str = "silu",
-                 shared_intermediate_size: int = 0, shared_gate: bool = False):
+                 shared_intermediate_size: int = 0, shared_gate: bool = False, latent_size: int = 0):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, **(router or {}))
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, gated=gated, act=act)
+        # latent MoE (Nemotron): the routed experts run in latent_size, between two projections
+        self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=False) if latent_size else None
+        self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=False) if latent_size else None
+        self.experts = Experts(num_experts, latent_size or hidden_size, intermediate_size, gated=gated, act=act)
         self.shared_experts = None
         if shared_intermediate_size:
             cls = GatedMLP if gated else MLP
@@ -102,7 +106,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.fc1_latent_proj is None:
+            out = self.experts(x, weights, ids)
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:

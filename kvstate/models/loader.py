@@ -53,6 +53,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     model = build_model(plan, opts, device="meta")
     model.to_empty(device="cpu")
     model.to(dtype)
+    if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
+        model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     params.update(model.named_buffers())
     filled = {name: 0 for name in params}

@@ -1,0 +1,96 @@
+"""Mamba-2 token mixer (pure Mamba-2 models, Nemotron-H).
+
+in_proj -> [z (gate), xBC, dt]; short causal conv over xBC with SiLU; split into x (heads of
+head_dim), B and C (n_groups x d_state); SSD scan with A = -exp(A_log), dt = softplus(dt + dt_bias)
+and the D skip; gated grouped RMSNorm of y * silu(z) (one norm per group of d_inner / n_groups
+channels); out_proj. Prefill chunks run `chunk_ssd` over the packed batch (cu_seqlens), decode
+steps `recurrent_ssd`; both carry the conv window [conv_dim, W] and the SSD state
+[H, d_state, head_dim] in the layer's state slots (transformers' cache holds the state's
+transpose, [H, head_dim, d_state]).
+
+dt clamping follows transformers (and mamba_ssm): the chunked scan clamps dt to `dt_limit`, the
+one-token decode step does not. A checkpoint whose dt ever falls under the lower limit therefore
+decodes slightly differently from a full forward, exactly as in the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers.norm import GatedRMSNorm
+from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_ssd, recurrent_ssd
+
+NO_LIMIT = (0.0, math.inf)
+
+
+class Mamba2(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, d_state: int, n_groups: int,
+                 conv_kernel: int, *, eps: float = 1e-5, bias: bool = False, conv_bias: bool = True,
+                 dt_limit: tuple[float, float] = NO_LIMIT, act: str = "silu", chunk_size: int = 64):
+        super().__init__()
+        if num_heads % n_groups:
+            raise ValueError(f"n_groups ({n_groups}) must divide num_heads ({num_heads})")
+        self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
+        self.d_inner = num_heads * head_dim
+        self.conv_dim = self.d_inner + 2 * n_groups * d_state  # x, B, C share the short conv
+        self.conv_kernel = conv_kernel
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.act = act
+        self.chunk_size = chunk_size
+        self.in_proj = nn.Linear(hidden_size, self.d_inner + self.conv_dim + num_heads, bias=bias)  # z, xBC, dt
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))  # depthwise, [D, W]
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if conv_bias else None
+        self.dt_bias = nn.Parameter(torch.ones(num_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = GatedRMSNorm(self.d_inner, eps, norm_before_gate=False, group_size=self.d_inner // n_groups)
+        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=bias)
+
+    @classmethod
+    def from_spec(cls, spec, hidden_size: int, opts) -> "Mamba2":
+        """opts.for_mixer("mamba2") may hold bias, conv_bias, dt_limit, act, chunk_size."""
+        return cls(hidden_size, spec.num_heads, spec.head_dim, spec.d_state, spec.n_groups, spec.conv_kernel,
+                   eps=opts.norm_eps, **opts.for_mixer("mamba2"))
+
+    def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        t = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        conv_state = read_slots(cache.conv, batch)  # [N, conv_dim, W]
+        decode = batch.decode_only
+        if decode:
+            xbc = causal_conv1d_update(xbc, conv_state, self.conv_weight, self.conv_bias, activation=self.act)
+        else:
+            xbc, conv_state = causal_conv1d(xbc[None], self.conv_weight, self.conv_bias, activation=self.act,
+                                            initial_state=conv_state, output_final_state=True,
+                                            cu_seqlens=batch.cu_seqlens)
+            xbc = xbc[0]
+        write_slots(cache.conv, batch, conv_state)
+
+        groups = self.n_groups * self.d_state
+        xs, B, C = xbc.split([self.d_inner, groups, groups], dim=-1)
+        # decode: [N, 1, ...] batches of one token; prefill: one packed [1, T, ...] with cu_seqlens
+        shape = (t, 1) if decode else (1, t)
+        xs = xs.reshape(*shape, self.num_heads, self.head_dim)
+        B = B.reshape(*shape, self.n_groups, self.d_state)
+        C = C.reshape(*shape, self.n_groups, self.d_state)
+        dt = dt.reshape(*shape, self.num_heads)
+        A = -self.A_log.float().exp()
+        state = read_slots(cache.state, batch)  # [N, H, d_state, head_dim] fp32
+        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, initial_state=state, output_final_state=True)
+        if decode:  # no dt clamp on the decode step, as transformers' and mamba_ssm's step()
+            y, state = recurrent_ssd(xs, dt, A, B, C, **common)
+        else:
+            y, state = chunk_ssd(xs, dt, A, B, C, dt_limit=self.dt_limit, cu_seqlens=batch.cu_seqlens,
+                                 chunk_size=self.chunk_size, **common)
+        write_slots(cache.state, batch, state)
+
+        y = self.norm(y.reshape(t, self.d_inner), z)  # gate then grouped norm
+        return self.out_proj(y)
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        """Per-slot shapes: SSD state [H, d_state, head_dim] and conv window [conv_dim, W]."""
+        return {"state": (self.num_heads, self.d_state, self.head_dim), "conv": (self.conv_dim, self.conv_kernel)}
