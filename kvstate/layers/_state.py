@@ -22,3 +22,20 @@ def write_slots(pool: torch.Tensor, batch, rows: torch.Tensor) -> None:
     if rows.shape[-1] != pool.shape[-1]:
         rows = rows[..., -pool.shape[-1]:]
     pool.index_copy_(0, batch.state_slots, rows.to(pool.dtype))
+
+
+def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None) -> torch.Tensor:
+    """The short causal depthwise conv of a linear mixer: x [T, D] -> [T, D], carrying each sequence's
+    conv window [D, W] in its state slot (one-step update for an all-decode batch, else varlen prefill)."""
+    from kvstate.ops import causal_conv1d, causal_conv1d_update
+
+    state = read_slots(pool, batch)  # [N, D, W]
+    if batch.decode_only:
+        y = causal_conv1d_update(x, state, weight, bias, activation=activation)  # updates `state` in place
+    else:
+        y, state = causal_conv1d(x[None], weight, bias, activation=activation, initial_state=state,
+                                 output_final_state=True, cu_seqlens=batch.cu_seqlens)
+        y = y[0]
+    write_slots(pool, batch, state)
+    return y

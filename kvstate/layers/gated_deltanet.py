@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers._state import read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
-from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
 class GatedDeltaNet(nn.Module):
@@ -46,16 +46,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        conv_state = read_slots(cache.conv, batch)  # [N, conv_dim, W]
+        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, D]
         decode = batch.decode_only
-        if decode:
-            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight, None, activation=self.act)
-        else:
-            qkv, conv_state = causal_conv1d(qkv[None], self.conv_weight, None, activation=self.act,
-                                            initial_state=conv_state, output_final_state=True,
-                                            cu_seqlens=batch.cu_seqlens)
-            qkv = qkv[0]
-        write_slots(cache.conv, batch, conv_state)
 
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]

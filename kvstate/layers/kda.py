@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers._state import read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
-from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_kda, recurrent_kda
+from kvstate.ops import chunk_kda, recurrent_kda
 
 
 class KimiDeltaAttention(nn.Module):
@@ -48,16 +48,8 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, 3HD]
-        conv_state = read_slots(cache.conv, batch)  # [N, 3HD, W]
+        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, D]
         decode = batch.decode_only
-        if decode:
-            qkv = causal_conv1d_update(qkv, conv_state, self.conv_weight, None, activation=self.act)
-        else:
-            qkv, conv_state = causal_conv1d(qkv[None], self.conv_weight, None, activation=self.act,
-                                            initial_state=conv_state, output_final_state=True,
-                                            cu_seqlens=batch.cu_seqlens)
-            qkv = qkv[0]
-        write_slots(cache.conv, batch, conv_state)
 
         # decode: [N, 1, H, D] batches; prefill: one packed [1, T, H, D] with cu_seqlens
         shape = (t, 1, h, d) if decode else (1, t, h, d)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers._state import read_slots, short_conv, write_slots
 from kvstate.layers.norm import RMSNorm
-from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_selective_scan, recurrent_selective_scan
+from kvstate.ops import chunk_selective_scan, recurrent_selective_scan
 
 
 class Mamba1(nn.Module):
@@ -52,16 +52,8 @@ class Mamba1(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         u, z = self.in_proj(x).chunk(2, dim=-1)  # [T, d_inner] each
-        conv_state = read_slots(cache.conv, batch)  # [N, d_inner, W]
+        u = short_conv(u, cache.conv, batch, self.conv_weight, self.conv_bias, self.act)  # [T, D]
         decode = batch.decode_only
-        if decode:
-            u = causal_conv1d_update(u, conv_state, self.conv_weight, self.conv_bias, activation=self.act)
-        else:
-            u, conv_state = causal_conv1d(u[None], self.conv_weight, self.conv_bias, activation=self.act,
-                                          initial_state=conv_state, output_final_state=True,
-                                          cu_seqlens=batch.cu_seqlens)
-            u = u[0]
-        write_slots(cache.conv, batch, conv_state)
 
         dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.dt_layernorm is not None:

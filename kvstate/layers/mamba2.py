@@ -20,9 +20,9 @@ import math
 import torch
 from torch import nn
 
-from kvstate.layers._state import read_slots, write_slots
+from kvstate.layers._state import read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
-from kvstate.ops import causal_conv1d, causal_conv1d_update, chunk_ssd, recurrent_ssd
+from kvstate.ops import chunk_ssd, recurrent_ssd
 
 NO_LIMIT = (0.0, math.inf)
 
@@ -59,16 +59,8 @@ class Mamba2(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        conv_state = read_slots(cache.conv, batch)  # [N, conv_dim, W]
+        xbc = short_conv(xbc, cache.conv, batch, self.conv_weight, self.conv_bias, self.act)  # [T, D]
         decode = batch.decode_only
-        if decode:
-            xbc = causal_conv1d_update(xbc, conv_state, self.conv_weight, self.conv_bias, activation=self.act)
-        else:
-            xbc, conv_state = causal_conv1d(xbc[None], self.conv_weight, self.conv_bias, activation=self.act,
-                                            initial_state=conv_state, output_final_state=True,
-                                            cu_seqlens=batch.cu_seqlens)
-            xbc = xbc[0]
-        write_slots(cache.conv, batch, conv_state)
 
         groups = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.d_inner, groups, groups], dim=-1)
