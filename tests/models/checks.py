@@ -6,19 +6,32 @@ temp dir, loads it with kvstate, and runs these checks (all fp32 on CPU):
 - prefill then token-by-token decode equals the full forward;
 - greedy generation of 32 tokens gives exactly transformers' generate() tokens;
 - a packed batch of 3 sequences of different lengths equals each run alone.
+
+Also shared: `redraw_weights` (unit-scale random weights for the tiny models), `rewrite_checkpoint` /
+`check_load_fails` (a saved checkpoint edited tensor by tensor), and `check_plan_matches_model` /
+`check_bundled_config_builds_as_planned` (a model's parameters and cache pools are the planner's).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from kvstate.cache.pools import layer_cache_shapes, spec_layer_shapes
+from kvstate.cache.spec import cache_spec
+from kvstate.config import read_plan
+from kvstate.config.fields import ConfigView
+from kvstate.errors import KvstateError
 from kvstate.models.batch import Batch
+from kvstate.models.build import build_model
 from kvstate.models.generate import contiguous_caches, forward_logits, greedy_generate
-from kvstate.models.loader import load_model
+from kvstate.models.loader import family_of, load_model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,17 +48,78 @@ def redraw_weights(model: torch.nn.Module, seed: int) -> None:
     """Redraw a tiny model's weights at unit scale, so that a wrong detail moves the logits.
 
     transformers' init (std 0.02) leaves every mixer's output far below the residual stream.
-    Matrices (and fused expert stacks) become N(0, 1/fan_in); vectors keep their init plus noise:
-    0.1 for norm weights (ones- or zero-centred alike), 0.3 for A_log, 0.5 for biases, D, dt_bias.
+    Parameters and persistent buffers (e.g. the MoE routers' e_score_correction_bias; not
+    rotary inv_freq, which is recomputed, not saved):
+    - A_log: its init (the decay rates' spread) plus N(0, 0.3);
+    - dt_bias: U(-2, 0), so that softplus(dt + dt_bias) stays far from any time-step clamp;
+    - norm weights: their init plus N(0, 0.1) (ones-centred and Qwen's zero-centred (1 + w) alike);
+    - matrices (and fused expert stacks, conv kernels): N(0, 1/fan_in);
+    - other float vectors (D, biases, correction biases): their init plus N(0, 0.5).
     """
     g = torch.Generator().manual_seed(seed)
+    saved = model.state_dict().keys()
+    buffers = [(name, b) for name, b in model.named_buffers() if name in saved]
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in list(model.named_parameters()) + buffers:
+            if not p.is_floating_point():
+                continue
             noise = torch.randn(p.shape, generator=g)
-            if p.dim() >= 2 and not name.endswith("A_log"):
+            if name.endswith("A_log"):
+                p.add_(0.3 * noise)
+            elif name.endswith("dt_bias"):
+                p.copy_(-2 * torch.rand(p.shape, generator=g))
+            elif "norm" in name:
+                p.add_(0.1 * noise)
+            elif p.dim() >= 2:
                 p.copy_(noise / p.shape[-1] ** 0.5)
             else:
-                p.add_(noise * (0.1 if "norm" in name else 0.3 if name.endswith("A_log") else 0.5))
+                p.add_(0.5 * noise)
+
+
+def rewrite_checkpoint(path, edit, dest=None) -> Path:
+    """Load the checkpoint's model.safetensors at `path`, apply `edit(tensors)` (a dict it changes in
+    place) and save the result: over the file, or into `dest` (with a copy of config.json) so that
+    `path` stays untouched. Returns the directory written."""
+    path = Path(path)
+    out = path if dest is None else Path(dest)
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if out != path:
+        (out / "config.json").write_text((path / "config.json").read_text())
+    return out
+
+
+def check_load_fails(path, edit, match: str, dest=None) -> None:
+    """The checkpoint at `path`, rewritten by `edit` (see `rewrite_checkpoint`), fails to load with a
+    KvstateError whose message matches the regex `match`."""
+    bad = rewrite_checkpoint(path, edit, dest)
+    with pytest.raises(KvstateError, match=match):
+        load_model(bad)
+
+
+def check_plan_matches_model(plan, model, block_size: int = 16) -> None:
+    """Per layer, the pools the model's mixers ask for are exactly the planner's cache spec: same keys
+    (k/v, latent, state, conv, or none) and same per-block / per-slot shapes."""
+    ours = layer_cache_shapes(model, block_size)
+    planned = spec_layer_shapes(cache_spec(plan), plan.num_layers, block_size)
+    assert ours == planned, [(i, a, b) for i, (a, b) in enumerate(zip(ours, planned)) if a != b] or (ours, planned)
+
+
+def build_on_meta(plan):
+    """The kvstate model of `plan`, built on the meta device (no memory, any size)."""
+    options = family_of(plan).model_options(ConfigView(plan.config, plan.source))
+    return build_model(plan, options, device="meta")
+
+
+def check_bundled_config_builds_as_planned(name):
+    """A real config (bundled name or checkpoint dir), built on the meta device, has exactly as many
+    parameters as the planner estimates and exactly the cache shapes of its cache spec. -> (model, plan)"""
+    plan = read_plan(name)
+    model = build_on_meta(plan)
+    assert sum(p.numel() for p in model.parameters()) == plan.params.total
+    check_plan_matches_model(plan, model)
+    return model, plan
 
 
 def random_ids(vocab: int, n: int, seed: int) -> list[int]:

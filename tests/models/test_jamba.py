@@ -7,13 +7,12 @@ wrong detail to move the logits by more than the tolerance).
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import JambaConfig, JambaForCausalLM
 
-from kvstate.errors import KvstateError
 from kvstate.models.loader import load_model
-from tests.models.checks import (check_all, check_full_forward, check_saved_loads_in_transformers, redraw_weights,
-                                 save_and_load)
+from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_full_forward,
+                                 check_load_fails, check_saved_loads_in_transformers, redraw_weights,
+                                 rewrite_checkpoint, save_and_load)
 
 VOCAB = 101
 # awkward on purpose: GQA with one KV head, head dims 32 and 48, two attention layers, four
@@ -48,44 +47,21 @@ def test_jamba_matches_transformers_and_saves_back(tmp_path, case):
 def test_jamba_v0_1_builds_to_the_planned_size_and_cache():
     """The real Jamba v0.1 config, built on the meta device: as many parameters as the planner
     estimates (51.6B) and exactly the per-slot state / conv and per-token KV shapes of its cache spec."""
-    from kvstate.cache.pools import layer_cache_shapes
-    from kvstate.cache.spec import cache_spec
-    from kvstate.config import read_plan
-    from kvstate.config.fields import ConfigView
-    from kvstate.families import jamba
-    from kvstate.models.build import build_model
-
-    plan = read_plan("jamba-v0.1")
-    model = build_model(plan, jamba.model_options(ConfigView(plan.config, plan.source)), device="meta")
-    assert sum(p.numel() for p in model.parameters()) == plan.params.total
-    spec = {e.layer: e for e in cache_spec(plan).entries}
-    for i, shapes in enumerate(layer_cache_shapes(model, block_size=16)):
-        if plan.layers[i].letter == "S":
-            assert shapes == {"state": spec[i].recurrent.shape, "conv": spec[i].conv.shape}
-        else:
-            assert shapes == {"k": (16, *spec[i].kv.shape[1:]), "v": (16, *spec[i].kv.shape[1:])}
-
-
-def _rewrite(tmp_path, edit) -> None:
-    file = tmp_path / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
+    _, plan = check_bundled_config_builds_as_planned("jamba-v0.1")
+    assert plan.layer_string == "SSSSASSS" * 4
 
 
 def test_jamba_missing_tensor_is_named(tmp_path):
     tiny("head32").save_pretrained(tmp_path)
-    _rewrite(tmp_path, lambda t: t.pop("model.layers.2.mamba.dt_layernorm.weight"))
-    with pytest.raises(KvstateError, match=r"layers\.2\.mixer\.dt_layernorm\.weight"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.pop("model.layers.2.mamba.dt_layernorm.weight"),
+                     r"layers\.2\.mixer\.dt_layernorm\.weight")
 
 
 def test_jamba_wrong_shape_is_named(tmp_path):
     tiny("head32").save_pretrained(tmp_path)
     key = "model.layers.3.mamba.A_log"
-    _rewrite(tmp_path, lambda t: t.__setitem__(key, t[key][:, :-1].contiguous()))
-    with pytest.raises(KvstateError, match=r"model\.layers\.3\.mamba\.A_log.*shape"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__(key, t[key][:, :-1].contiguous()),
+                     r"model\.layers\.3\.mamba\.A_log.*shape")
 
 
 def test_jamba_fused_expert_checkpoint_loads(tmp_path):
@@ -102,8 +78,7 @@ def test_jamba_fused_expert_checkpoint_loads(tmp_path):
             if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 tensors[key] = value.contiguous()
 
-    _rewrite(tmp_path, fuse)
-    model, _ = load_model(tmp_path)
+    model, _ = load_model(rewrite_checkpoint(tmp_path, fuse))
     check_full_forward(model, hf, VOCAB)
 
 

@@ -10,20 +10,16 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from kvstate.cache.pools import allocate
 from kvstate.cache.spec import cache_spec
-from kvstate.config import read_plan
-from kvstate.config.fields import ConfigView
-from kvstate.errors import KvstateError
-from kvstate.families import kimi_linear
 from kvstate.models.batch import Batch
-from kvstate.models.build import build_model
 from kvstate.models.generate import forward_logits
 from kvstate.models.loader import load_model
-from tests.models.checks import check_all, random_ids, rel_err, save_and_load
+from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_load_fails, random_ids,
+                                 redraw_weights, rel_err, save_and_load)
 
 VOCAB = 101
 TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
@@ -54,32 +50,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def redraw(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale random weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), decay rates
-    exp(A_log) in [0.05, 1], dt_bias and the router's correction bias ~ N(0, 0.5), biases ~ N(0, 0.1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=g).log())
-            elif name.endswith(("dt_bias", "e_score_correction_bias")):
-                p.copy_(0.5 * noise)
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.dim() >= 2:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-
-
 def make(case: str, seed: int = 0) -> KimiLinearForCausalLM:
     torch.manual_seed(seed)
     cfg = KimiLinearConfig(**{**BASE, **CASES[case]})
     hf = KimiLinearForCausalLM(cfg).eval()
-    redraw(hf, seed)
-    if cfg.q_lora_rank:  # tiny latents, where the latent norms' eps (1e-6, not rms_norm_eps) matters
-        with torch.no_grad():
+    redraw_weights(hf, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # decay rates exp(A_log) in [0.05, 1]: from KDA's init (1 to 16) most heads would forget at once
+        for a_log in (p for name, p in hf.named_parameters() if name.endswith("A_log")):
+            a_log.copy_(torch.empty(a_log.shape).uniform_(0.05, 1.0, generator=g).log())
+        if cfg.q_lora_rank:  # tiny latents, where the latent norms' eps (1e-6, not rms_norm_eps) matters
             for i in (1, 4):
                 attn = hf.model.layers[i].self_attn
                 attn.q_a_proj.weight.mul_(1e-3)
@@ -170,49 +151,30 @@ def test_original_config_format_reads_the_same(saved, tmp_path):
     assert torch.equal(forward_logits(original, [ids])[0], forward_logits(flat, [ids])[0])
 
 
-def _broken(path, tmp_path, fn):
-    tensors = load_file(str(path / "model.safetensors"))
-    fn(tensors)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    return tmp_path
-
-
 def test_missing_conv_is_named(saved, tmp_path):
-    bad = _broken(saved[1], tmp_path, lambda t: t.pop("model.layers.2.self_attn.k_conv1d.weight"))
-    with pytest.raises(KvstateError, match=r"missing tensors for layers\.2\.mixer\.conv_weight"):
-        load_model(bad)
+    check_load_fails(saved[1], lambda t: t.pop("model.layers.2.self_attn.k_conv1d.weight"),
+                     r"missing tensors for layers\.2\.mixer\.conv_weight", dest=tmp_path)
 
 
 def test_wrong_latent_shape_is_named(saved, tmp_path):
     key = "model.layers.1.self_attn.kv_b_proj.weight"
-    bad = _broken(saved[1], tmp_path, lambda t: t.__setitem__(key, torch.zeros(320, 20)))
-    with pytest.raises(KvstateError, match=rf"{key}.*shape \(320, 20\)"):
-        load_model(bad)
+    check_load_fails(saved[1], lambda t: t.__setitem__(key, torch.zeros(320, 20)), rf"{key}.*shape \(320, 20\)",
+                     dest=tmp_path)
 
 
 def test_unknown_tensor_is_named(saved, tmp_path):
     key = "model.layers.0.self_attn.q_rope.weight"
-    bad = _broken(saved[1], tmp_path, lambda t: t.__setitem__(key, torch.zeros(3)))
-    with pytest.raises(KvstateError, match=key):
-        load_model(bad)
+    check_load_fails(saved[1], lambda t: t.__setitem__(key, torch.zeros(3)), key, dest=tmp_path)
 
 
 @pytest.mark.parametrize("source", ["kimi-linear-48b-a3b", "tiny"])
 def test_cache_shapes_agree_with_cache_spec(saved, source):
-    """The pools the model asks for are exactly what the planner's cache spec counts (real and tiny dims)."""
-    plan = read_plan(saved[1] if source == "tiny" else source)
-    model = build_model(plan, kimi_linear.model_options(ConfigView(plan.config, plan.source)), device="meta")
-    spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
-    by_layer = {e.layer: e for e in spec.entries}
-    for i, block in enumerate(model.layers):
-        shapes, entry = block.mixer.cache_shapes(16), by_layer[i]
-        if entry.kind == "mla":
-            assert shapes == {"latent": (16, *entry.kv.shape)}
-        else:
-            assert shapes == {"state": entry.recurrent.shape, "conv": entry.conv.shape}
+    """The pools the model asks for are exactly what the planner's cache spec counts (real and tiny
+    dims), and the model has as many parameters as the planner estimates."""
+    model, plan = check_bundled_config_builds_as_planned(saved[1] if source == "tiny" else source)
+    assert plan.layer_string == ("KLKKL" if source == "tiny" else "KKKLKKKLKKKLKKKLKKKLKKKLKKL")
     if source != "tiny":
-        assert plan.layer_string == "KKKLKKKLKKKLKKKLKKKLKKKLKKL"
+        spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
         assert spec.kv_bytes_per_token == 7 * 576 * 4  # 7 MLA layers, one latent of 512 + 64 each
         caches = allocate(model, num_blocks=0, block_size=16, num_slots=0)
         assert sum(c.latent is not None for c in caches) == 7

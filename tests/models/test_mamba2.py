@@ -1,8 +1,8 @@
 """Pure Mamba-2 (backbone.* checkpoints) equal to transformers, and the Mamba2 layer's state carry.
 
 The tiny checkpoints are transformers' Mamba2ForCausalLM with weights redrawn at unit scale (its
-default init leaves the mixers too quiet for a wrong detail to move the logits past the tolerance).
-`redraw` is shared with the Nemotron-H tests.
+default init leaves the mixers too quiet for a wrong detail to move the logits past the tolerance;
+`redraw_weights` draws dt_bias in U(-2, 0), far from the time-step clamps).
 """
 
 import json
@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
 from kvstate.config.fields import ConfigView
@@ -18,9 +17,8 @@ from kvstate.errors import KvstateError
 from kvstate.families.mamba2 import dt_limit
 from kvstate.models.batch import Batch
 from kvstate.models.generate import contiguous_caches, forward_logits
-from kvstate.models.loader import load_model
-from tests.models.checks import (check_all, check_full_forward, check_saved_loads_in_transformers, hf_logits,
-                                 random_ids, rel_err, save_and_load)
+from tests.models.checks import (check_all, check_full_forward, check_load_fails, check_saved_loads_in_transformers,
+                                 hf_logits, random_ids, redraw_weights, rel_err, save_and_load)
 
 VOCAB = 101
 # awkward on purpose: 4 heads of 48 in 2 groups (grouped B/C), conv kernel 3, d_state 16
@@ -28,30 +26,10 @@ BASE = dict(vocab_size=VOCAB, hidden_size=96, expand=2, num_heads=4, head_dim=48
             conv_kernel=3, num_hidden_layers=3, chunk_size=16)
 
 
-def redraw(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale random weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), A_log of the S4D
-    init plus noise, dt_bias ~ U(-2, 0) (dt far from any clamp), D, biases and MoE correction
-    biases ~ N(0, 0.5)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            noise = torch.randn(p.shape, generator=g)
-            if name.endswith("A_log"):
-                p.add_(0.3 * noise)
-            elif name.endswith("dt_bias"):
-                p.copy_(-2 * torch.rand(p.shape, generator=g))
-            elif "norm" in name:
-                p.copy_(1 + 0.1 * noise)
-            elif p.dim() >= 2:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-            elif p.is_floating_point():  # D, conv / projection biases, e_score_correction_bias
-                p.copy_(0.5 * noise)
-
-
 def tiny(seed: int = 0, **extra) -> Mamba2ForCausalLM:
     torch.manual_seed(seed)
     hf = Mamba2ForCausalLM(Mamba2Config(**{**BASE, **extra})).eval()
-    redraw(hf, seed)
+    redraw_weights(hf, seed)
     return hf
 
 
@@ -117,29 +95,20 @@ def test_time_step_limit_spellings():
             limit(bad)
 
 
-def _edit(path, fn) -> None:
-    tensors = load_file(str(path / "model.safetensors"))
-    fn(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 def test_missing_tensor_is_named(tmp_path):
     tiny().save_pretrained(tmp_path)
-    _edit(tmp_path, lambda t: t.pop("backbone.layers.1.mixer.conv1d.bias"))
-    with pytest.raises(KvstateError, match=r"missing tensors for layers\.1\.mixer\.conv_bias"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.pop("backbone.layers.1.mixer.conv1d.bias"),
+                     r"missing tensors for layers\.1\.mixer\.conv_bias")
 
 
 def test_wrong_shape_is_named(tmp_path):
     tiny().save_pretrained(tmp_path)
     key = "backbone.layers.2.mixer.in_proj.weight"
-    _edit(tmp_path, lambda t: t.__setitem__(key, t[key][:-4].contiguous()))
-    with pytest.raises(KvstateError, match=r"backbone\.layers\.2\.mixer\.in_proj\.weight.*shape"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__(key, t[key][:-4].contiguous()),
+                     r"backbone\.layers\.2\.mixer\.in_proj\.weight.*shape")
 
 
 def test_unknown_tensor_is_named(tmp_path):
     tiny().save_pretrained(tmp_path)
-    _edit(tmp_path, lambda t: t.__setitem__("backbone.layers.7.mixer.D", torch.zeros(4)))
-    with pytest.raises(KvstateError, match=r"backbone\.layers\.7\.mixer\.D"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__("backbone.layers.7.mixer.D", torch.zeros(4)),
+                     r"backbone\.layers\.7\.mixer\.D")

@@ -9,18 +9,16 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from kvstate.cache.pools import layer_cache_shapes
+from kvstate.cache.pools import allocate_from_spec, check_against_model
 from kvstate.cache.spec import cache_spec
-from kvstate.errors import KvstateError
 from kvstate.models.batch import Batch
 from kvstate.models.generate import contiguous_caches
 from kvstate.models.loader import load_model
-from tests.models.checks import (check_all, check_full_forward, check_saved_loads_in_transformers, random_ids, rel_err,
-                                 save_and_load)
-from tests.models.test_mamba2 import redraw
+from tests.models.checks import (check_all, check_full_forward, check_load_fails, check_plan_matches_model,
+                                 check_saved_loads_in_transformers, random_ids, redraw_weights, rel_err,
+                                 rewrite_checkpoint, save_and_load)
 
 VOCAB = 101
 # awkward on purpose: Mamba-2 4 heads of 32 in 2 groups; attention 4 query / 2 KV heads of 48 at two
@@ -35,7 +33,7 @@ PATTERN = "M*-EM*E"
 def tiny(seed: int = 0, pattern: str = PATTERN, **extra) -> NemotronHForCausalLM:
     torch.manual_seed(seed)
     hf = NemotronHForCausalLM(NemotronHConfig(**{**BASE, "hybrid_override_pattern": pattern, **extra})).eval()
-    redraw(hf, seed)
+    redraw_weights(hf, seed)
     return hf
 
 
@@ -107,27 +105,34 @@ def test_dt_clamp_follows_transformers_in_prefill_and_decode(tmp_path):
 
 def test_cache_shapes_agree_with_the_cache_spec(tmp_path):
     model, plan = save_and_load(tiny(), tmp_path)
-    spec = {e.layer: e for e in cache_spec(plan).entries}
-    for i, shapes in enumerate(layer_cache_shapes(model, block_size=16)):
-        letter = plan.layers[i].letter
-        if letter == "M":
-            assert shapes == {"state": spec[i].recurrent.shape, "conv": spec[i].conv.shape}
-        elif letter == "A":
-            assert shapes == {"k": (16, *spec[i].kv.shape[1:]), "v": (16, *spec[i].kv.shape[1:])}
-        else:
-            assert shapes == {} and i not in spec
+    assert plan.layer_string == "MA--MA-"  # state + conv, k + v, and no cache at all
+    check_plan_matches_model(plan, model)
+
+
+def test_pools_from_the_cache_spec_are_exactly_what_the_model_declares(tmp_path):
+    """The runner's check passes the pools allocated from the spec, and fails a missing pool, a pool
+    of another shape and a pool that the model does not declare."""
+    model, plan = save_and_load(tiny(), tmp_path)
+    caches = allocate_from_spec(cache_spec(plan), plan.num_layers, num_blocks=3, block_size=16, num_slots=2)
+    check_against_model(caches, model, 16)
+    for layer, key, pool, message in [
+        (1, "v", None, r"layer 1: pool 'v' has per-entry shape None, the model needs \(16, 2, 48\)"),
+        (0, "state", torch.zeros(2, 4, 16, 31), r"layer 0: pool 'state' has per-entry shape \(4, 16, 31\)"),
+        (2, "conv", torch.zeros(2, 8, 4), r"layer 2: pool 'conv' .* the model declares no such pool"),
+    ]:
+        kept = getattr(caches[layer], key)
+        setattr(caches[layer], key, pool)
+        with pytest.raises(ValueError, match=message):
+            check_against_model(caches, model, 16)
+        setattr(caches[layer], key, kept)
+    with pytest.raises(ValueError, match="6 layers of pools for a model of 7"):
+        check_against_model(caches[:-1], model, 16)
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
     hf = tiny(3, moe_latent_size=40)
     model, plan = save_and_load(hf, tmp_path / "orig")
     check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)
-
-
-def _edit(path, fn) -> None:
-    tensors = load_file(str(path / "model.safetensors"))
-    fn(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def test_fused_expert_checkpoint_loads(tmp_path):
@@ -144,21 +149,18 @@ def test_fused_expert_checkpoint_loads(tmp_path):
                 tensors[f"backbone.layers.{layer}.mixer.experts.{which}"] = torch.stack([tensors.pop(k) for k in keys])
         tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(8, 64)
 
-    _edit(tmp_path, fuse)
-    model, _ = load_model(tmp_path)
+    model, _ = load_model(rewrite_checkpoint(tmp_path, fuse))
     check_full_forward(model, hf, VOCAB)
 
 
 def test_missing_expert_tensor_is_named(tmp_path):
     tiny().save_pretrained(tmp_path)
-    _edit(tmp_path, lambda t: t.pop("backbone.layers.3.mixer.experts.1.up_proj.weight"))
-    with pytest.raises(KvstateError, match=r"missing tensors for layers\.3\.ffn\.experts\.gate_up"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.pop("backbone.layers.3.mixer.experts.1.up_proj.weight"),
+                     r"missing tensors for layers\.3\.ffn\.experts\.gate_up")
 
 
 def test_wrong_shape_is_named(tmp_path):
     tiny().save_pretrained(tmp_path)
     key = "backbone.layers.1.mixer.k_proj.weight"
-    _edit(tmp_path, lambda t: t.__setitem__(key, torch.zeros(64, 64)))
-    with pytest.raises(KvstateError, match=r"backbone\.layers\.1\.mixer\.k_proj\.weight.*shape \(64, 64\)"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__(key, torch.zeros(64, 64)),
+                     r"backbone\.layers\.1\.mixer\.k_proj\.weight.*shape \(64, 64\)")

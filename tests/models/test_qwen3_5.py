@@ -1,6 +1,5 @@
 """Qwen3.5 (text, vision-language text part, MoE): Gated DeltaNet + gated attention, equal to transformers."""
 
-import pytest
 import torch
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -15,6 +14,13 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5, num_attention
                                                    "linear_attention", "full_attention"])
 
 
+def tiny_moe(seed: int) -> Qwen3_5MoeForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, **TEXT)
+    return Qwen3_5MoeForCausalLM(cfg).eval()
+
+
 def test_qwen3_5_text(tmp_path):
     torch.manual_seed(0)
     hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **TEXT)).eval()
@@ -25,10 +31,7 @@ def test_qwen3_5_text(tmp_path):
 
 
 def test_qwen3_5_moe_text(tmp_path):
-    torch.manual_seed(1)
-    cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, **TEXT)
-    hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    hf = tiny_moe(1)
     redraw_weights(hf, 1)
     model, plan = save_and_load(hf, tmp_path)
     check_all(model, hf, VOCAB)
@@ -51,9 +54,6 @@ def test_qwen3_5_vision_language_checkpoint_runs_its_text_model(tmp_path):
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
     from tests.models.checks import check_saved_loads_in_transformers
 
-    torch.manual_seed(3)
-    cfg = Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=48, **TEXT)
-    hf = Qwen3_5MoeForCausalLM(cfg).eval()
+    hf = tiny_moe(3)
     model, plan = save_and_load(hf, tmp_path / "orig")
     check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)

@@ -6,15 +6,13 @@ Weights are redrawn at unit scale (`redraw_weights`) so that a wrong detail move
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from kvstate.config.plan import GatedDeltaNetSpec
-from kvstate.errors import KvstateError
 from kvstate.families._weights import Target
 from kvstate.families.qwen3_next import fused_gdn_targets
-from kvstate.models.loader import load_model
-from tests.models.checks import check_all, check_saved_loads_in_transformers, redraw_weights, save_and_load
+from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_load_fails,
+                                 check_saved_loads_in_transformers, redraw_weights, save_and_load)
 
 VOCAB = 101
 # awkward on purpose: 2 key heads / 6 value heads (3 per key head, so the interleave matters),
@@ -75,49 +73,24 @@ def test_fused_projection_rows_match_transformers_split():
 def test_qwen3_next_80b_builds_to_the_planned_size_and_cache():
     """The real Qwen3-Next-80B-A3B config, built on the meta device: as many parameters as the
     planner estimates (79.7B) and exactly the per-slot state / conv and per-token KV shapes of its cache spec."""
-    from kvstate.cache.pools import layer_cache_shapes
-    from kvstate.cache.spec import cache_spec
-    from kvstate.config import read_plan
-    from kvstate.config.fields import ConfigView
-    from kvstate.families import qwen3_next
-    from kvstate.models.build import build_model
-
-    plan = read_plan("qwen3-next-80b-a3b")
-    model = build_model(plan, qwen3_next.model_options(ConfigView(plan.config, plan.source)), device="meta")
-    assert sum(p.numel() for p in model.parameters()) == plan.params.total
-    spec = {e.layer: e for e in cache_spec(plan).entries}
-    for i, shapes in enumerate(layer_cache_shapes(model, block_size=16)):
-        if plan.layers[i].letter == "G":
-            assert shapes == {"state": spec[i].recurrent.shape, "conv": spec[i].conv.shape}
-        else:
-            assert shapes == {"k": (16, *spec[i].kv.shape[1:]), "v": (16, *spec[i].kv.shape[1:])}
-
-
-def _rewrite(tmp_path, edit) -> None:
-    file = tmp_path / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
+    _, plan = check_bundled_config_builds_as_planned("qwen3-next-80b-a3b")
+    assert plan.layer_string == "GGGA" * 12
 
 
 def test_qwen3_next_missing_tensor_is_named(tmp_path):
     tiny("moe-mlp-only-layer").save_pretrained(tmp_path)
-    _rewrite(tmp_path, lambda t: t.pop("model.layers.4.linear_attn.in_proj_ba.weight"))
-    with pytest.raises(KvstateError, match=r"layers\.4\.mixer\.in_proj_[ab]\.weight"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.pop("model.layers.4.linear_attn.in_proj_ba.weight"),
+                     r"layers\.4\.mixer\.in_proj_[ab]\.weight")
 
 
 def test_qwen3_next_wrong_shape_is_named(tmp_path):
     tiny("moe-mlp-only-layer").save_pretrained(tmp_path)
     key = "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    _rewrite(tmp_path, lambda t: t.__setitem__(key, t[key][:, :-1].contiguous()))
-    with pytest.raises(KvstateError, match=r"in_proj_qkvz.*shape"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__(key, t[key][:, :-1].contiguous()), r"in_proj_qkvz.*shape")
 
 
 def test_qwen3_next_linear_tensor_in_an_attention_layer_is_named(tmp_path):
     tiny("moe-mlp-only-layer").save_pretrained(tmp_path)
-    _rewrite(tmp_path, lambda t: t.__setitem__("model.layers.1.linear_attn.in_proj_ba.weight",
-                                               t["model.layers.0.linear_attn.in_proj_ba.weight"].clone()))
-    with pytest.raises(KvstateError, match=r"layers\.1\.linear_attn\.in_proj_ba"):
-        load_model(tmp_path)
+    check_load_fails(tmp_path, lambda t: t.__setitem__("model.layers.1.linear_attn.in_proj_ba.weight",
+                                                       t["model.layers.0.linear_attn.in_proj_ba.weight"].clone()),
+                     r"layers\.1\.linear_attn\.in_proj_ba")
