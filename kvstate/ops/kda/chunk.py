@@ -1,0 +1,120 @@
+"""KDA, the chunk form: prefill and training in matmuls, exact and stable in fp32.
+
+Within a chunk of C tokens (G = cumulative log-decay from the chunk start, per channel, G <= 0,
+non-increasing), with S0 the state entering the chunk, the per-token recurrence of naive.py is
+
+    U = T (beta V) - T (beta K exp(G)) S0 = U0 - W S0     T = (I + A)^-1, A[i, j] = beta_i a(k_i, k_j)
+    O = (Q exp(G)) S0 + P U                                P[i, j] = a(q_i, k_j), j <= i
+    S_C = exp(G_C) S0 + (K exp(G_C - G))^T U
+
+with a(x_i, y_j) = sum_k x_i[k] y_j[k] exp(G_i[k] - G_j[k]) (see intra.py for its stable matmul
+form; T comes from solve.py). Everything except U and the chunk states depends only on the
+inputs, so it is computed for a slab of chunks at once in batched matmuls; the sequential loop
+over chunks is batched matmuls over the heads (U, the outputs, the next state).
+
+Layout inside: one row per (chunk, value head), chunks step-major (layout.py), [R, C, D]. A slab
+is a few MiB of such rows, so its temporaries stay in cache and are reused by the allocator
+(fresh pages of large temporaries cost more than the arithmetic on them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstate.ops.kda._args import prepare
+from kvstate.ops.kda.intra import SUB_CHUNK, intra_scores
+from kvstate.ops.kda.layout import chunk_layout
+from kvstate.ops.kda.solve import unit_lower_inverse
+
+
+SLAB_ROWS = 4096  # token-heads per slab: [R, C, K] fp32 temporaries of 2 MiB at K = 128
+# exp of any sum of g's that includes a g below this is 0 in fp32 and fp64 alike, so clamping g
+# there changes nothing, and keeps -inf (a full reset) out of the matmuls (0 * -inf = nan)
+G_FLOOR = -1e4
+
+
+def _slab(q, k, v, g, beta, S, sizes, hv):
+    """A slab of consecutive steps. q, k, g [R, C, K], v [R, C, V], beta [R, C] with R = chunks x HV;
+    S [rows, K, V] the state rows still running; sizes: (chunks, sequences running) per step.
+    -> (o [R, C, V], S, states of the sequences that finished in this slab)."""
+    r_, c, dk = k.shape
+    sc = intra_scores(q, k, g)  # P, A [R, C, C]; factored q, k [R, n, sub, K]
+    d = sc.d
+    q_pre = (sc.q_loc * d.e_before).view(r_, c, dk)  # q exp(G_i)
+    k_pre = (sc.k_loc * d.e_before).view(r_, c, dk)  # k exp(G_i)
+    kd = (sc.k_tail * d.e_after).view(r_, c, dk).transpose(1, 2)  # [R, K, C]: k_j decayed to the chunk end
+    decay = d.whole().unsqueeze(-1)  # [R, K, 1]
+    T = unit_lower_inverse(sc.A * beta.unsqueeze(-1)) * beta.unsqueeze(-2)  # (I + beta A)^-1 diag(beta)
+    W = torch.bmm(T, k_pre)  # [R, C, K]
+    U0 = torch.bmm(T, v)  # [R, C, V]
+    outs, done, r = [], [], 0
+    for chunks, running in sizes:
+        if S.shape[0] > running * hv:  # sequences with no chunk left: their state is final
+            done.append(S[running * hv :])
+            S = S[: running * hv]
+        rs = slice(r, r + chunks * hv)
+        u = torch.baddbmm(U0[rs], W[rs], S, alpha=-1)  # [rows, C, V] = U0 - W S
+        outs.append(torch.bmm(sc.P[rs], u).baddbmm_(q_pre[rs], S))  # P U + Q exp(G) S
+        S = (S * decay[rs]).baddbmm_(kd[rs], u)  # [rows, K, V]: decayed, plus the chunk's writes
+        r += chunks * hv
+    return torch.cat(outs), S, done
+
+
+def _forward(x, q, k, v, g, beta, state, lens, c, floor):
+    """Flat tokens: raw q, k [tot, H, K]; v [tot, HV, V], g [tot, HV, K], beta [tot, HV] and
+    state [N, HV, K, V] in the compute dtype; lens [N] -> (o [tot, HV, V], final state).
+    floor: clamp g at G_FLOOR (some g is below it, maybe -inf)."""
+    tot, hv, dk = g.shape
+    dv = v.shape[-1]
+    lay = chunk_layout(lens, c, v.device)
+    o = v.new_empty(tot + 1, hv, dv)  # row `tot` takes the padding positions
+    S = state.index_select(0, lay.order).reshape(-1, dk, dv)  # [N * HV, K, V], rows in scan order
+    heads = torch.arange(hv, device=v.device)[None, :, None]  # [1, HV, 1]
+    kheads = heads // (hv // q.shape[1])  # the key head serving each value head
+    done = []
+    per_slab = max(1, SLAB_ROWS // (hv * c))  # chunks per slab
+    j = 0
+    while j < lay.steps:
+        j1 = j + 1
+        while j1 < lay.steps and lay.offsets[j1 + 1] - lay.offsets[j] <= per_slab:
+            j1 += 1
+        rows = slice(lay.offsets[j], lay.offsets[j1])
+        tok, valid = lay.tokens[rows, None, :], lay.valid[rows, None, :]  # [chunks, 1, C]
+        # gathers straight into [chunks, HV, C, D] (key heads repeated on the way)
+        qs, ks = x.norm_qk(q[tok, kheads], k[tok, kheads])
+        gs, bs = g[tok, heads], beta[tok, heads]
+        if floor:
+            gs = gs.clamp(min=G_FLOOR)
+        if not bool(valid.all()):  # padding positions: g = 0, beta = 0 leave the state unchanged
+            gs, bs = gs * valid[..., None], bs * valid
+        sizes = [(lay.offsets[i + 1] - lay.offsets[i], lay.active[i]) for i in range(j, j1)]
+        ys = (y.flatten(0, 1) for y in (qs, ks, v[tok, heads], gs, bs))  # [chunks * HV, C, *D]
+        o_slab, S, finished = _slab(*ys, S, sizes, hv)
+        done += finished
+        o.index_put_((torch.where(valid, tok, tot), heads), o_slab.view(-1, hv, c, dv))
+        j = j1
+    final = torch.cat([S] + done[::-1]) if lay.steps else S  # rows in scan order
+    inverse = torch.argsort(lay.order)
+    return o[:tot], final.view(-1, hv, dk, dv).index_select(0, inverse)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (<= 0); beta [B, T, HV] -> (o, state).
+
+    Same results as naive_kda. chunk_size: 16, 32, 64 (default), 128, ... Sequences of a packed
+    batch (cu_seqlens) cost their own length: no padding to the longest.
+    """
+    n_sub = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
+    if n_sub <= 0 or n_sub * SUB_CHUNK != chunk_size or n_sub & (n_sub - 1):
+        raise ValueError(f"chunk_size must be {SUB_CHUNK} times a power of two, got {chunk_size}")
+    x = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    lowest, highest = torch.aminmax(x.g) if x.g.numel() else (0.0, 0.0)
+    if highest > 0:
+        raise ValueError("g must be <= 0 (a log-decay)")
+    b, t = x.v.shape[:2]
+    lens = torch.full((b,), t, dtype=torch.long) if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+    flat = (y.reshape(b * t, *y.shape[2:]) for y in (x.q, x.k, x.v, x.g, x.beta))
+    o, final = _forward(x, *flat, x.zero_state(), lens.long(), chunk_size, floor=lowest < G_FLOOR)
+    return o.view(b, t, *o.shape[1:]).to(x.out_dtype), (final if output_final_state else None)
