@@ -40,23 +40,19 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
-    from kvstate.bench.timing import measure_machine
+    from kvstate.bench.timing import start
     from kvstate.engine.llm import LLM
     from kvstate.engine.params import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console(stderr=args.json)
+    console, limits = start(args)
     size = "quick" if args.quick else "0.5b"
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
     prefill_len = args.prefill_len or (128 if args.quick else 1024)
     batches = [int(b) for b in args.batches.split(",")]
-    limits = measure_machine(size=1024 if args.quick else 2048, copy_mib=64 if args.quick else 256)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("building checkpoint"):
             path, hf = qwen3_5_checkpoint(size, tmp)

@@ -43,21 +43,17 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
-    from kvstate.bench.timing import measure_machine
+    from kvstate.bench.timing import start
     from kvstate.models.batch import Batch
     from kvstate.models.generate import contiguous_caches
     from kvstate.models.loader import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console(stderr=args.json)
+    console, limits = start(args)
     size = "quick" if args.quick else "0.5b"
     t = args.prompt_len or (256 if args.quick else 2048)
-    limits = measure_machine(size=1024 if args.quick else 2048, copy_mib=64 if args.quick else 256)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp, console.status("building checkpoint"):
         path, hf = qwen3_5_checkpoint(size, tmp)
         model, plan = load_model(path)

@@ -53,18 +53,14 @@ def collect(quick: bool, only: set[str] | None) -> list[Case]:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
 
-    from kvstate.bench.timing import measure_machine, time_fn
+    from kvstate.bench.timing import start, time_fn
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     only = set(args.only.split(",")) if args.only else None
     cases = collect(args.quick, only)
-    console = Console(stderr=args.json)
-    limits = measure_machine(size=1024 if args.quick else 2048, copy_mib=64 if args.quick else 256)
+    console, limits = start(args)
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench ops", total=len(cases))

@@ -41,3 +41,18 @@ def measure_machine(size: int = 2048, copy_mib: int = 256) -> MachineLimits:
     t = time_fn(lambda: y.copy_(x), warmup=2, min_time=0.5)
     bandwidth = 2 * n * 4 / t  # one read and one write of every byte
     return MachineLimits(gemm_flops=gemm, bandwidth=bandwidth)
+
+
+def start(args):
+    """The common start of a benchmark run: torch threads (--threads), a rich console (on stderr
+    under --json, so stdout stays machine-readable) and this machine's measured limits."""
+    import torch
+    from rich.console import Console
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quick = getattr(args, "quick", False)
+    console = Console(stderr=args.json)
+    with console.status("measuring the machine's GEMM rate and memory bandwidth"):
+        limits = measure_machine(size=1024 if quick else 2048, copy_mib=64 if quick else 256)
+    return console, limits
