@@ -1,0 +1,117 @@
+"""Chunked gated delta rule (prefill/training): the WY/UT form, batched over chunks and heads.
+
+Per value head, inside a chunk of C tokens with cumulative log decay b_t = g_1 + ... + g_t, the
+state entering the chunk S0, and u_t = beta_t (v_t - S'_t^T k_t) the delta actually written
+(S'_t the decayed state just before token t's write):
+
+    S_t   = e^{b_t} S0 + sum_{j<=t} e^{b_t - b_j} k_j u_j^T
+    (I + L) U = diag(beta) V - diag(beta e^b) K S0,  L_tj = beta_t e^{b_t - b_j} (k_t . k_j), j < t
+    U     = u - w S0,  with  [w | u] = (I + L)^{-1} [diag(beta e^b) K | diag(beta) V]
+    O     = diag(e^b) Q S0 + (Q K^T o Gamma) U,      Gamma_tj = e^{b_t - b_j} for j <= t
+    S_C   = e^{b_C} S0 + (K o e^{b_C - b})^T U
+
+Everything that does not depend on S0 (q k^T and k k^T per key head, the decay masks, one
+triangular inverse per chunk, w and u) is computed for a block of chunks at once in batched
+matmuls. The sequential loop over chunks then does, per chunk: one matmul [w; q] S0 (both reads
+of the entering state at once), the intra-chunk (Q K^T o Gamma) U, and the in-place state update;
+the outputs go straight into the token-major result. Chunks are processed a block at a time so
+that temporaries stay a few MiB: fresh large allocations cost page faults that would otherwise
+dominate on CPU. Key/query heads are never repeated for grouped value heads: k k^T, q k^T and
+w = (I + L)^-1 diag(beta e^b) K are computed once per key head and broadcast or stacked.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from kvstate.ops._chunk_delta import (Batch, Carry, Output, blocks, decay_mask, gather, make_layout, needs_grad,
+                                      normalize_qk, prepare, run_split, sorted_initial, unsort_final)
+
+BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=32):
+    """Gated delta rule, chunked. q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay <= 0), beta [B, T, HV].
+
+    Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None). Any chunk_size
+    works; 32 is the fastest on CPU (fla's GPU kernels use 64) and keeps the triangular systems small.
+    """
+    batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                    needs_beta=True)
+    grad = needs_grad(q, k, v, g, beta, initial_state)
+    kernel = partial(chunk_delta, l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size, grad=grad)
+    return run_split(batch, kernel, output_final_state=output_final_state, grad=grad)
+
+
+def chunk_delta(batch: Batch, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+    """The kernel behind chunk_gated_delta_rule and chunk_delta_rule (batch.g None: no decay).
+
+    Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    h, hv, dk, dv = batch.dims
+    grp, c, acc, dev = hv // h, chunk_size, batch.acc, batch.q.device
+    lay = make_layout(batch.lens, batch.starts, c, dev)
+    carry = Carry(sorted_initial(batch, lay, (hv, dk, dv)), lay, grad, s_dst)
+    out = Output(lay, batch.q.shape[0], hv, dv, batch.dtype, acc, dev, grad, o_dst)
+    eye = torch.eye(c, dtype=acc, device=dev)
+    for s0, s1, steps in blocks(lay, hv * c * max(dk, dv) * 4, BLOCK_BYTES):
+        n = s1 - s0
+        qc, kc = normalize_qk(gather(batch.q, lay, s0, s1, acc), gather(batch.k, lay, s0, s1, acc), acc, l2,
+                              inplace=not grad)
+        vc = gather(batch.v, lay, s0, s1, acc).view(n, h, grp, c, dv)
+        bt = gather(batch.beta, lay, s0, s1, acc).view(n, h, grp, c)
+        qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
+        kk = (kc @ kc.transpose(-1, -2)).unsqueeze(2)
+        if batch.g is None:
+            # L_tj = beta_t k_t.k_j; only its strict lower triangle is read by the unit-triangular solve
+            tinv = torch.linalg.solve_triangular(kk * bt.unsqueeze(-1), eye, upper=False, unitriangular=True)
+            tk = tv = tinv * bt.unsqueeze(-2)  # (I + L)^-1 diag(beta): [n, H, G, C, C]
+            attn = (qk * batch.scale).tril().expand(n, h, grp, c, c)
+            qd = (qc * batch.scale).unsqueeze(2).expand(n, h, grp, c, dk)
+            kd, dec = kc.unsqueeze(2).expand(n, h, grp, c, dk), None
+        else:
+            b = gather(batch.g, lay, s0, s1, acc).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
+            gam = decay_mask(b)  # [n, H, G, C, C]
+            eb = b.exp()
+            tinv = torch.linalg.solve_triangular(kk * gam * bt.unsqueeze(-1), eye, upper=False, unitriangular=True)
+            tv = tinv * bt.unsqueeze(-2)
+            tk = tv * eb.unsqueeze(-2)  # (I + L)^-1 diag(beta e^b)
+            attn = (qk * batch.scale) * gam
+            qd = qc.unsqueeze(2) * (eb * batch.scale).unsqueeze(-1)  # [n, H, G, C, K]
+            kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
+            dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
+        u = tv @ vc  # [n, H, G, C, V]
+        # w = (I + L)^-1 diag(beta e^b) K; stacked over q so that one matmul per chunk reads the state
+        w = (tk.reshape(n * h, grp * c, c) @ kc.view(n * h, c, dk)).view(n, h, grp, c, dk)  # k shared by the group
+        wq = torch.cat([w, qd], dim=-2)  # [n, H, G, 2C, K]
+
+        def step(r, m, state):
+            rows, hr = slice(r, r + m), slice(r * hv, (r + m) * hv)
+            mats = lambda x, d, rr=c: x[rows].reshape(m * hv, rr, d)  # noqa: E731  [m HV, rr, d] per head
+            s = state.view(m * hv, dk, dv)
+            ws = torch.bmm(mats(wq, dk, 2 * c), s)  # [m HV, 2C, V]: w S and q S
+            vn = mats(u, dv) - ws[:, :c]  # u - w S: the deltas written
+            kd_t = mats(kd, dk).transpose(1, 2)
+            if grad:  # autograd: out-of-place
+                out.put(s0 + r, torch.baddbmm(ws[:, c:], mats(attn, c), vn).view(m, hv, c, dv))
+                s_dec = s if dec is None else s * dec[hr]
+                return torch.baddbmm(s_dec, kd_t, vn).view(m, hv, dk, dv)
+            target = out.target(s0 + r, m)
+            # inter-chunk (the state entering the chunk, read by q) plus intra-chunk
+            o = torch.baddbmm(ws[:, c:], mats(attn, c), vn, **({} if target is None else {"out": target}))
+            if target is None:
+                out.put(s0 + r, o.view(m, hv, c, dv))
+            if dec is not None:
+                s.mul_(dec[hr])
+            s.baddbmm_(kd_t, vn)
+
+        carry.run(s0, steps, step)
+    final = unsort_final(carry.final(), lay) if output_final_state else None
+    if s_dst is not None and final is not s_dst:
+        s_dst.copy_(final)
+    return out.result(), final

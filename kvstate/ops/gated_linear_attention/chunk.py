@@ -1,0 +1,91 @@
+"""Chunked gated linear attention with a scalar log decay per value head (also linear attention, SSD).
+
+Per value head, inside a chunk of C tokens with cumulative log decay b_t = g_1 + ... + g_t and the
+state entering the chunk S0 (the SSD "dual" form of Mamba-2):
+
+    O   = diag(e^b) Q S0 + (Q K^T o Gamma) V,       Gamma_tj = e^{b_t - b_j} for j <= t, else 0
+    S_C = e^{b_C} S0 + (K o e^{b_C - b})^T V
+
+The chunk-local terms (Q K^T per key head, the decay masks, decayed q and k) are batched over a
+block of chunks; the sequential loop over chunks reads the entering state once per chunk (the
+inter-chunk output), adds the intra-chunk output and updates the state in place. With g None
+(plain linear attention) all decays vanish and Q K^T's causal mask is shared by a group's heads.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from kvstate.ops._chunk_delta import (Batch, Carry, Output, blocks, decay_mask, gather, make_layout, needs_grad,
+                                      normalize_qk, prepare, run_split, sorted_initial, unsort_final)
+
+BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
+
+
+def chunk_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
+                                 use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=32):
+    """q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (log decay <= 0) or None.
+
+    Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
+    """
+    batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                    needs_beta=False)
+    grad = needs_grad(q, k, v, g, initial_state)
+    kernel = partial(chunk_gla, l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size, grad=grad)
+    return run_split(batch, kernel, output_final_state=output_final_state, grad=grad)
+
+
+def chunk_gla(batch: Batch, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+    """The kernel behind chunk_gated_linear_attention, chunk_linear_attention and chunk_ssd.
+
+    Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    h, hv, dk, dv = batch.dims
+    grp, c, acc, dev = hv // h, chunk_size, batch.acc, batch.q.device
+    lay = make_layout(batch.lens, batch.starts, c, dev)
+    carry = Carry(sorted_initial(batch, lay, (hv, dk, dv)), lay, grad, s_dst)
+    out = Output(lay, batch.q.shape[0], hv, dv, batch.dtype, acc, dev, grad, o_dst)
+    for s0, s1, steps in blocks(lay, hv * c * max(dk, dv) * 4, BLOCK_BYTES):
+        n = s1 - s0
+        qc, kc = normalize_qk(gather(batch.q, lay, s0, s1, acc), gather(batch.k, lay, s0, s1, acc), acc, l2,
+                              inplace=not grad)
+        vc = gather(batch.v, lay, s0, s1, acc).view(n, h, grp, c, dv)
+        qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
+        if batch.g is None:
+            attn = (qk * batch.scale).tril().expand(n, h, grp, c, c)
+            qd = (qc * batch.scale).unsqueeze(2).expand(n, h, grp, c, dk)
+            kd, dec = kc.unsqueeze(2).expand(n, h, grp, c, dk), None
+        else:
+            b = gather(batch.g, lay, s0, s1, acc).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
+            eb = b.exp()
+            attn = (qk * batch.scale) * decay_mask(b)  # [n, H, G, C, C]
+            qd = qc.unsqueeze(2) * (eb * batch.scale).unsqueeze(-1)  # [n, H, G, C, K]
+            kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
+            dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
+
+        def step(r, m, state):
+            rows, hr = slice(r, r + m), slice(r * hv, (r + m) * hv)
+            mats = lambda x, d: x[rows].reshape(m * hv, c, d)  # noqa: E731  [m HV, C, d] per-head matrices
+            s = state.view(m * hv, dk, dv)
+            vr, kd_t = mats(vc, dv), mats(kd, dk).transpose(1, 2)
+            target = out.target(s0 + r, m)
+            # inter-chunk (the state entering the chunk, read by q), then intra-chunk
+            o = torch.bmm(mats(qd, dk), s) if target is None else torch.bmm(mats(qd, dk), s, out=target)
+            o = torch.baddbmm(o, mats(attn, c), vr) if grad else o.baddbmm_(mats(attn, c), vr)
+            if target is None:
+                out.put(s0 + r, o.view(m, hv, c, dv))
+            if grad:  # S_C = e^{b_C} S0 + (K o e^{b_C - b})^T V, out-of-place
+                return torch.baddbmm(s if dec is None else s * dec[hr], kd_t, vr).view(m, hv, dk, dv)
+            if dec is not None:
+                s.mul_(dec[hr])
+            s.baddbmm_(kd_t, vr)
+
+        carry.run(s0, steps, step)
+    final = unsort_final(carry.final(), lay) if output_final_state else None
+    if s_dst is not None and final is not s_dst:
+        s_dst.copy_(final)
+    return out.result(), final
