@@ -17,6 +17,15 @@ def read_slots(pool: torch.Tensor, batch) -> torch.Tensor:
     return rows
 
 
+def decode_pool(pool: torch.Tensor, batch) -> dict:
+    """Arguments for a recurrent op that updates the batch's rows of `pool` in place (no gather, no
+    scatter, no fresh state allocation): rows of sequences with an empty cache are zeroed first."""
+    fresh = batch.context_lens == 0
+    if bool(fresh.any()):
+        pool[batch.state_slots[fresh]] = 0
+    return dict(initial_state=pool, state_indices=batch.state_slots, inplace_final_state=True)
+
+
 def write_slots(pool: torch.Tensor, batch, rows: torch.Tensor) -> None:
     """rows [N, *shape] -> the batch's slots. A conv pool kept at kernel - 1 columns takes the newest ones."""
     if rows.shape[-1] != pool.shape[-1]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import read_slots, short_conv, write_slots
+from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -58,14 +58,14 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(*shape, self.num_k_heads, self.head_k_dim)
         v = v.reshape(*shape, self.num_v_heads, self.head_v_dim)
         g, beta = g.reshape(*shape, -1), beta.reshape(*shape, -1)
-        state = read_slots(cache.state, batch)  # [N, HV, K, V] fp32
-        if decode:
-            o, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
+        if decode:  # the slots' states [HV, K, V] are updated in place in the pool
+            o, _ = recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                              **decode_pool(cache.state, batch))
         else:
+            state = read_slots(cache.state, batch)  # [N, HV, K, V] fp32
             o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                               use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
-        write_slots(cache.state, batch, state)
+            write_slots(cache.state, batch, state)
 
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import read_slots, short_conv, write_slots
+from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_kda, recurrent_kda
 
@@ -58,14 +58,13 @@ class KimiDeltaAttention(nn.Module):
         g = -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(t, h, d))  # [T, H, D], <= 0
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
         g, beta = g.reshape(shape), beta.reshape(shape[:3])
-        state = read_slots(cache.state, batch)  # [N, H, D, D] fp32
-        if decode:
-            o, state = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True)
+        if decode:  # the slots' states [H, D, D] are updated in place in the pool
+            o, _ = recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **decode_pool(cache.state, batch))
         else:
+            state = read_slots(cache.state, batch)  # [N, H, D, D] fp32
             o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                  use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
-        write_slots(cache.state, batch, state)
+            write_slots(cache.state, batch, state)
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = self.o_norm(o.reshape(t, h, d), gate)

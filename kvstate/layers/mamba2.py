@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from kvstate.layers._state import read_slots, short_conv, write_slots
+from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_ssd, recurrent_ssd
 
@@ -71,14 +71,14 @@ class Mamba2(nn.Module):
         C = C.reshape(*shape, self.n_groups, self.d_state)
         dt = dt.reshape(*shape, self.num_heads)
         A = -self.A_log.float().exp()
-        state = read_slots(cache.state, batch)  # [N, H, d_state, head_dim] fp32
-        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, initial_state=state, output_final_state=True)
-        if decode:  # no dt clamp on the decode step, as transformers' and mamba_ssm's step()
-            y, state = recurrent_ssd(xs, dt, A, B, C, **common)
+        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True)
+        if decode:  # no dt clamp on the decode step, as transformers' and mamba_ssm's step(); in-place slots
+            y, _ = recurrent_ssd(xs, dt, A, B, C, **common, **decode_pool(cache.state, batch))
         else:
+            state = read_slots(cache.state, batch)  # [N, H, d_state, head_dim] fp32
             y, state = chunk_ssd(xs, dt, A, B, C, dt_limit=self.dt_limit, cu_seqlens=batch.cu_seqlens,
-                                 chunk_size=self.chunk_size, **common)
-        write_slots(cache.state, batch, state)
+                                 chunk_size=self.chunk_size, initial_state=state, output_final_state=True, **common)
+            write_slots(cache.state, batch, state)
 
         y = self.norm(y.reshape(t, self.d_inner), z)  # gate then grouped norm
         return self.out_proj(y)
