@@ -249,7 +249,9 @@ class Carry:
         self.m0 = lay.steps[0][1] if lay.steps else 0
         if grad:
             self.buf = None
-        elif dst is not None and lay.identity:  # carry the state in the caller's final-state buffer
+        elif dst is not None and lay.identity and dst.is_contiguous():
+            # carry the state in the caller's final-state buffer (a worker's head slice of it is not
+            # contiguous across sequences: that one is carried in a copy and written back at the end)
             self.buf = dst.copy_(init)
         else:
             self.buf = init.clone()

@@ -223,7 +223,16 @@ def test_parallel_split_matches_naive(monkeypatch):
                                                   inplace_final_state=True, output_all_states=True,
                                                   use_qk_l2norm_in_kernel=True)
     assert rel(o, o_ref) <= 1e-5 and rel(pool[idx], s_ref) <= 1e-5 and torch.equal(al[0, -1], pool[1])
-    assert calls == [3, 3]  # both calls ran on three workers
+    # equal lengths: the chunk layout is the identity and each worker carries its head slice of the
+    # final-state buffer, which is not contiguous across sequences (a packed engine prefill)
+    eq = make(1, 3 * 40, 3, 6, 16, 8, seed=10)
+    eq["initial_state"] = torch.randn(3, 6, 16, 8)
+    cu = torch.tensor([0, 40, 80, 120])
+    o_ref, s_ref = naive(f64(eq), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    with torch.inference_mode():
+        o, s = chunk_gated_delta_rule(**eq, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+    assert calls == [3, 3, 3]  # every call ran on three workers
     assert torch.get_num_threads() == threads  # the caller's setting is restored
 
 
