@@ -13,7 +13,6 @@ from torch import nn
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.rope import Rotary
 from kvstate.ops.attention import paged_attention, write_kv
-from kvstate.layers.linear import Linear
 
 
 class Attention(nn.Module):
@@ -24,10 +23,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
-        self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm[0], offset=qk_norm[1])
             self.k_norm = RMSNorm(head_dim, qk_norm[0], offset=qk_norm[1])

@@ -16,7 +16,6 @@ from torch import nn
 from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from kvstate.layers.linear import Linear
 
 
 class GatedDeltaNet(nn.Module):
@@ -29,15 +28,15 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
         self.act = act
-        self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))  # depthwise, [D, W]
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     @classmethod
     def from_spec(cls, spec, hidden_size: int, opts) -> "GatedDeltaNet":

@@ -18,7 +18,6 @@ from torch import nn
 from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_kda, recurrent_kda
-from kvstate.layers.linear import Linear
 
 
 class KimiDeltaAttention(nn.Module):
@@ -29,17 +28,17 @@ class KimiDeltaAttention(nn.Module):
         self.dim = num_heads * head_dim  # width of each of q, k, v
         self.conv_kernel = conv_kernel
         self.act = act
-        self.qkv_proj = Linear(hidden_size, 3 * self.dim, bias=False)  # rows: q, k, v
+        self.qkv_proj = nn.Linear(hidden_size, 3 * self.dim, bias=False)  # rows: q, k, v
         self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, conv_kernel))  # depthwise, [3HD, W]
-        self.f_a_proj = Linear(hidden_size, head_dim, bias=False)  # low-rank forget gate
-        self.f_b_proj = Linear(head_dim, self.dim, bias=False)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank forget gate
+        self.f_b_proj = nn.Linear(head_dim, self.dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.dt_bias = nn.Parameter(torch.zeros(self.dim))
-        self.b_proj = Linear(hidden_size, num_heads, bias=False)
-        self.g_a_proj = Linear(hidden_size, head_dim, bias=False)  # low-rank output gate
-        self.g_b_proj = Linear(head_dim, self.dim, bias=False)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)  # low-rank output gate
+        self.g_b_proj = nn.Linear(head_dim, self.dim, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps, activation="sigmoid")
-        self.o_proj = Linear(self.dim, hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.dim, hidden_size, bias=False)
 
     @classmethod
     def from_spec(cls, spec, hidden_size: int, opts) -> "KimiDeltaAttention":

@@ -18,7 +18,6 @@ from torch import nn
 from kvstate.layers._state import read_slots, short_conv, write_slots
 from kvstate.layers.norm import RMSNorm
 from kvstate.ops import chunk_selective_scan, recurrent_selective_scan
-from kvstate.layers.linear import Linear
 
 
 class Mamba1(nn.Module):
@@ -30,14 +29,14 @@ class Mamba1(nn.Module):
         self.d_inner, self.d_state, self.dt_rank = d_inner, d_state, dt_rank
         self.conv_kernel = conv_kernel
         self.act = act
-        self.in_proj = Linear(hidden_size, 2 * d_inner, bias=proj_bias)
+        self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=proj_bias)
         self.conv_weight = nn.Parameter(torch.empty(d_inner, conv_kernel))  # depthwise, [D, W]
         self.conv_bias = nn.Parameter(torch.zeros(d_inner)) if conv_bias else None
-        self.x_proj = Linear(d_inner, dt_rank + 2 * d_state, bias=False)
-        self.dt_proj = Linear(dt_rank, d_inner, bias=True)
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(d_inner, d_state))
         self.D = nn.Parameter(torch.ones(d_inner))
-        self.out_proj = Linear(d_inner, hidden_size, bias=proj_bias)
+        self.out_proj = nn.Linear(d_inner, hidden_size, bias=proj_bias)
         if inner_norms:
             self.dt_layernorm = RMSNorm(dt_rank, eps)
             self.b_layernorm = RMSNorm(d_state, eps)

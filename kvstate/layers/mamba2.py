@@ -23,7 +23,6 @@ from torch import nn
 from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.ops import chunk_ssd, recurrent_ssd
-from kvstate.layers.linear import Linear
 
 NO_LIMIT = (0.0, math.inf)
 
@@ -42,14 +41,14 @@ class Mamba2(nn.Module):
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.act = act
         self.chunk_size = chunk_size
-        self.in_proj = Linear(hidden_size, self.d_inner + self.conv_dim + num_heads, bias=bias)  # z, xBC, dt
+        self.in_proj = nn.Linear(hidden_size, self.d_inner + self.conv_dim + num_heads, bias=bias)  # z, xBC, dt
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))  # depthwise, [D, W]
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if conv_bias else None
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = GatedRMSNorm(self.d_inner, eps, norm_before_gate=False, group_size=self.d_inner // n_groups)
-        self.out_proj = Linear(self.d_inner, hidden_size, bias=bias)
+        self.out_proj = nn.Linear(self.d_inner, hidden_size, bias=bias)
 
     @classmethod
     def from_spec(cls, spec, hidden_size: int, opts) -> "Mamba2":

@@ -21,7 +21,6 @@ from torch import nn
 
 from kvstate.layers.norm import RMSNorm
 from kvstate.ops.attention import gather_kv, paged_attention, write_kv
-from kvstate.layers.linear import Linear
 
 LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with the default eps, not rms_norm_eps
 
@@ -34,16 +33,16 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_dim = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, num_heads * qk_dim, bias=False)
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_dim, bias=False)
         else:
-            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_dim, bias=False)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_dim, bias=False)
         self.q_lora_rank = q_lora_rank
-        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.scale = qk_dim**-0.5
 
     @classmethod

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.errors import KvstateError
-from kvstate.layers.linear import Linear
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -31,9 +30,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,8 +44,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str = "relu2", bias: bool = False):
         super().__init__()
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

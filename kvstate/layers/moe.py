@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.layers.mlp import MLP, GatedMLP, activation
-from kvstate.layers.linear import Linear, linear
 
 
 class Router(nn.Module):
@@ -78,13 +77,13 @@ class Experts(nn.Module):
             sel = order[start : start + n]
             tokens = token_of[start : start + n]
             start += n
-            h = linear(x[tokens], self.gate_up[e])
+            h = F.linear(x[tokens], self.gate_up[e])
             if self.gated:
                 g, u = h.chunk(2, dim=-1)
                 h = self.act(g) * u
             else:
                 h = self.act(h)
-            y = linear(h, self.down[e]) * weights.flatten()[sel, None]
+            y = F.linear(h, self.down[e]) * weights.flatten()[sel, None]
             out.index_add_(0, tokens, y.float())
         return out.to(x.dtype)
 
@@ -96,14 +95,14 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, **(router or {}))
         # latent MoE (Nemotron): the routed experts run in latent_size, between two projections
-        self.fc1_latent_proj = Linear(hidden_size, latent_size, bias=False) if latent_size else None
-        self.fc2_latent_proj = Linear(latent_size, hidden_size, bias=False) if latent_size else None
+        self.fc1_latent_proj = nn.Linear(hidden_size, latent_size, bias=False) if latent_size else None
+        self.fc2_latent_proj = nn.Linear(latent_size, hidden_size, bias=False) if latent_size else None
         self.experts = Experts(num_experts, latent_size or hidden_size, intermediate_size, gated=gated, act=act)
         self.shared_experts = None
         if shared_intermediate_size:
             cls = GatedMLP if gated else MLP
             self.shared_experts = cls(hidden_size, shared_intermediate_size, act=act)
-        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_gate else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -14,8 +14,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvstate.layers.linear import Linear
-
 
 class Block(nn.Module):
     def __init__(self, mixer: nn.Module | None, ffn: nn.Module | None, norm: Callable[[], nn.Module]):
@@ -40,7 +38,7 @@ class HybridDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(blocks)
         self.norm = norm()
-        self.lm_head = Linear(hidden_size, vocab_size, bias=False)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.layer_string = layer_string  # e.g. "GGGA" * 6: one letter per layer's mixer kind
