@@ -24,3 +24,47 @@ def test_dense_matches_transformers(tmp_path, cfg_cls, model_cls, extra):
     model, plan = save_and_load(hf, tmp_path)
     assert plan.layer_string == "AAA"
     check_all(model, hf, VOCAB)
+
+
+def _tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    hf = LlamaForCausalLM(cfg).eval()
+    redraw_weights(hf, seed)
+    return hf
+
+
+def test_mistral_matches_transformers(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=None)
+    hf = MistralForCausalLM(cfg).eval()
+    redraw_weights(hf, 0)
+    model, _ = save_and_load(hf, tmp_path)
+    check_all(model, hf, VOCAB)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    """A checkpoint split over several safetensors files with an index loads to the same logits."""
+    from kvstate.models.loader import load_model
+    from tests.models.checks import check_full_forward
+
+    hf = _tiny_llama()
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    model, _ = load_model(tmp_path)
+    check_full_forward(model, hf, VOCAB)
+
+
+def test_bf16_checkpoint_is_upcast_to_fp32(tmp_path):
+    from kvstate.models.loader import load_model
+
+    hf = _tiny_llama(1)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    ours = model.layers[1].ffn.down_proj.weight
+    assert torch.equal(ours, hf.model.layers[1].mlp.down_proj.weight.float())  # bf16 values, exactly upcast
