@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from kvstate.ops import _threads
-from kvstate.ops._common import check, check_cu_seqlens, l2norm
+from kvstate.ops._common import check, check_cu_seqlens, check_qkv, l2norm
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,15 +58,7 @@ def prepare(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, needs_beta: b
     `pool`: `initial_state` is a state pool indexed by `state_indices` (recurrent forms), so its
     number of rows is free; otherwise it has one row per sequence.
     """
-    check("q", q, 4)
-    b, t, h, dk = q.shape
-    check("k", k, shape=(b, t, h, dk))
-    check("v", v, 4)
-    if v.shape[:2] != (b, t):
-        raise ValueError(f"v must have shape [{b}, {t}, HV, V] like q, got {tuple(v.shape)}")
-    hv, dv = v.shape[2], v.shape[3]
-    if hv % h:
-        raise ValueError(f"v's value heads ({hv}) must be a multiple of the key heads of q and k ({h})")
+    b, t, h, dk, hv, dv = check_qkv(q, k, v)
     if g is not None:
         check("g", g, shape=(b, t, hv))
     if needs_beta or beta is not None:

@@ -31,6 +31,20 @@ def check(name: str, x: torch.Tensor | None, ndim: int | None = None, *, shape: 
         raise ValueError(f"{name} must be a floating tensor, got {x.dtype}")
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """q, k [B, T, H, K] and v [B, T, HV, V] with HV a multiple of H -> (B, T, H, K, HV, V)."""
+    check("q", q, 4)
+    b, t, h, dk = q.shape
+    check("k", k, shape=(b, t, h, dk))
+    check("v", v, 4)
+    if v.shape[:2] != (b, t):
+        raise ValueError(f"v must have shape [{b}, {t}, HV, V] like q, got {tuple(v.shape)}")
+    hv, dv = v.shape[2], v.shape[3]
+    if hv % h:
+        raise ValueError(f"v's value heads ({hv}) must be a multiple of the key heads of q and k ({h})")
+    return b, t, h, dk, hv, dv
+
+
 def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int) -> None:
     """Validate a FlashAttention-style cu_seqlens against a [1, total, ...] packed input."""
     if cu_seqlens is None:

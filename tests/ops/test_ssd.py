@@ -44,7 +44,7 @@ def test_naive_matches_transformers_prefill_and_decode():
     y_c, s_c = chunk_ssd(**x, dt_softplus=True, dt_limit=limit, output_final_state=True)
     assert rel(y_c, y_hf) <= 1e-5 and rel(s_c, s) <= 1e-5
     # one decode step, transformers' per-element API (dt, A, D expanded over head_dim and d_state)
-    h, p, n = 8, 16, 32
+    p, n = 16, 32  # head_dim, d_state
     state = x["initial_state"].transpose(-1, -2).contiguous()
     y_hf = mamba2_selective_state_update(state, x["x"][:, 0], x["dt"][:, 0, :, None].expand(-1, -1, p),
                                          x["A"][:, None, None].expand(-1, p, n), x["B"][:, 0], x["C"][:, 0],

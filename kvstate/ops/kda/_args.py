@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstate.ops._common import check, check_cu_seqlens, l2norm, num_sequences, repeat_heads
+from kvstate.ops._common import check, check_cu_seqlens, check_qkv, l2norm, num_sequences, repeat_heads
 
 L2_EPS = 1e-6
 
@@ -62,15 +62,7 @@ def prepare(q, k, v, g, beta, *, scale, initial_state, use_qk_l2norm_in_kernel, 
 
     pool: `initial_state` is a pool of any number of rows (indexed by the recurrent form's
     state_indices); it is then left as given (`state` is None)."""
-    check("q", q, 4)
-    b, t, h, dk = q.shape
-    check("k", k, shape=(b, t, h, dk))
-    check("v", v, 4)
-    if v.shape[:2] != (b, t):
-        raise ValueError(f"v must have shape [{b}, {t}, HV, V] like q, got {tuple(v.shape)}")
-    hv, dv = v.shape[2], v.shape[3]
-    if hv % h:
-        raise ValueError(f"v's heads ({hv}) must be a multiple of q/k's heads ({h})")
+    b, t, h, dk, hv, dv = check_qkv(q, k, v)
     check("g", g, shape=(b, t, hv, dk))
     check("beta", beta, shape=(b, t, hv))
     check_cu_seqlens(cu_seqlens, b, t)
