@@ -27,29 +27,9 @@ from typing import Callable
 import torch
 
 from kvstate.ops import _threads
-from kvstate.ops._chunk_delta import Batch, needs_grad
+from kvstate.ops._chunk_delta import Batch
 
 BLOCK_BYTES = 2 << 20  # state bytes per block: about one core's L2
-
-
-def check_state_args(batch: Batch, initial_state, state_indices, inplace_final_state: bool, *grad_inputs) -> None:
-    if needs_grad(*grad_inputs):
-        raise ValueError("recurrent forms do not support autograd; use the chunk form for training")
-    if state_indices is not None:
-        if initial_state is None:
-            raise ValueError("state_indices needs initial_state (the state pool it indexes)")
-        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1 \
-                or state_indices.dtype.is_floating_point or state_indices.numel() != batch.n_seq:
-            raise ValueError(f"state_indices must be a 1-D integer tensor with one entry per sequence "
-                             f"({batch.n_seq})")
-        rows = initial_state.shape[0]
-        if state_indices.numel() and (int(state_indices.min()) < 0 or int(state_indices.max()) >= rows):
-            raise ValueError(f"state_indices must lie in [0, {rows})")
-    if inplace_final_state:
-        if initial_state is None:
-            raise ValueError("inplace_final_state needs initial_state (the state updated in place)")
-        if initial_state.dtype != batch.acc or not initial_state.is_contiguous():
-            raise ValueError(f"initial_state must be a contiguous {batch.acc} tensor for inplace_final_state")
 
 
 def _blocks(batch: Batch, merge: bool) -> list[tuple[int, int, int, int]]:

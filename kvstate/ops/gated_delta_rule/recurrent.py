@@ -15,7 +15,7 @@ import torch
 
 from kvstate.ops import _recurrent_delta as drv
 from kvstate.ops._chunk_delta import normalize_qk, prepare
-from kvstate.ops._common import repeat_heads
+from kvstate.ops._common import check_state_args, repeat_heads
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -28,7 +28,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
     """
     batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, pool=state_indices is not None)
-    drv.check_state_args(batch, initial_state, state_indices, inplace_final_state, q, k, v, g, beta, initial_state)
+    check_state_args(batch.n_seq, batch.acc, initial_state, state_indices, inplace_final_state, q, k, v, g, beta, initial_state)
     with drv.plan(batch, output_all_states, state_indices) as n_work:  # big calls: blocks over workers
         h, hv, dk, dv = batch.dims
         acc = batch.acc

@@ -10,7 +10,7 @@ import torch
 
 from kvstate.ops import _recurrent_delta as drv
 from kvstate.ops._chunk_delta import Batch, normalize_qk, prepare
-from kvstate.ops._common import repeat_heads
+from kvstate.ops._common import check_state_args, repeat_heads
 
 
 def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
@@ -22,7 +22,7 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
     """
     batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False, pool=state_indices is not None)
-    drv.check_state_args(batch, initial_state, state_indices, inplace_final_state, q, k, v, g, initial_state)
+    check_state_args(batch.n_seq, batch.acc, initial_state, state_indices, inplace_final_state, q, k, v, g, initial_state)
     return recurrent_gla(batch, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
                          output_all_states=output_all_states, inplace_final_state=inplace_final_state,
                          state_indices=state_indices)

@@ -24,27 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from kvstate.ops._common import check_state_args
 from kvstate.ops.kda._args import prepare
 
 BLOCK_BYTES = 2 << 20  # state bytes per block: about one core's share of cache
-
-
-def _check_state_args(x, initial_state, state_indices, inplace_final_state, tensors) -> None:
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        raise ValueError("recurrent_kda does not support autograd; use chunk_kda for training")
-    if state_indices is not None:
-        if initial_state is None:
-            raise ValueError("state_indices needs initial_state (the state pool it indexes)")
-        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1 \
-                or state_indices.dtype.is_floating_point or state_indices.numel() != x.num_seqs:
-            raise ValueError(f"state_indices must be a 1-D integer tensor with one entry per sequence ({x.num_seqs})")
-        if x.num_seqs and (int(state_indices.min()) < 0 or int(state_indices.max()) >= initial_state.shape[0]):
-            raise ValueError(f"state_indices must lie in [0, {initial_state.shape[0]})")
-    if inplace_final_state:
-        if initial_state is None:
-            raise ValueError("inplace_final_state needs initial_state (the state updated in place)")
-        if initial_state.dtype != x.dtype or not initial_state.is_contiguous():
-            raise ValueError(f"initial_state must be a contiguous {x.dtype} tensor for inplace_final_state")
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -58,7 +41,8 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     x = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                 pool=state_indices is not None)
-    _check_state_args(x, initial_state, state_indices, inplace_final_state, (q, k, v, g, beta, initial_state))
+    check_state_args(x.num_seqs, x.dtype, initial_state, state_indices, inplace_final_state, q, k, v, g, beta,
+                     initial_state)
     b, t, hv, dv = x.v.shape
     dk = x.g.shape[-1]
     h = x.q.shape[2]
