@@ -142,13 +142,19 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in the order given."""
-        return [event.output for event in self.stream(prompts, sampling_params) if event.finished]
+        events = self._events(prompts, sampling_params, text_deltas=False)
+        return [event.output for event in events if event.finished]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
         """Yield every new token of every request as it comes; each request's last event carries its output.
 
         The final outputs come in prompt order (a request finishing early waits for those before it).
         """
+        return self._events(prompts, sampling_params, text_deltas=True)
+
+    def _events(self, prompts, sampling_params, *, text_deltas: bool) -> Iterator[StreamEvent]:
+        """The event loop behind stream and generate; `text_deltas` decodes each new token's text
+        (generate skips it: the whole output is decoded once at the end)."""
         added = self._add(prompts, sampling_params)
         index = {id(seq): i for i, (_, seq) in enumerate(added)}
         seen = [0] * len(added)
@@ -162,7 +168,7 @@ class LLM:
                 for token in seq.output_token_ids[seen[i]:]:
                     seen[i] += 1
                     delta = ""
-                    if self.tokenizer is not None:
+                    if text_deltas and self.tokenizer is not None:
                         full = self.tokenizer.decode(seq.output_token_ids[: seen[i]])
                         if not full.endswith("\ufffd"):  # wait for the rest of a multi-byte character
                             delta, texts[i] = full[len(texts[i]):], full
