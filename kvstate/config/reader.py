@@ -45,7 +45,8 @@ def bundled_path(name: str) -> Path | None:
 
 
 def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
-    """(path of the config.json, bundled short name or None) for a file, directory or bundled name."""
+    """(path of the config.json, display name or None) for a file, a directory, a bundled short
+    name (its name) or a Hugging Face hub id (the id; only config.json is fetched, see kvstate.hub)."""
     text = os.fspath(source)
     path = Path(text)
     if path.is_dir():
@@ -58,8 +59,12 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
     bundled = bundled_path(text)
     if bundled is not None:
         return bundled, text.strip().lower()
+    from kvstate.hub import looks_like_repo_id, resolve_config  # lazy: imports huggingface_hub
+
+    if looks_like_repo_id(text):
+        return resolve_config(text), text
     raise KvstateError(f"{text}: no such file or directory, and not a bundled model "
-                       f"(bundled: {', '.join(BUNDLED)})")
+                       f"(bundled: {', '.join(BUNDLED)}) or a Hugging Face hub id (org/name)")
 
 
 def _parse(path: Path, label: str) -> dict[str, Any]:
@@ -78,18 +83,29 @@ def _parse(path: Path, label: str) -> dict[str, Any]:
 
 def load_config(source: str | os.PathLike) -> dict[str, Any]:
     """The config dict of a config.json path, a checkpoint directory or a bundled short name."""
-    path, bundled = resolve(source)
-    return _parse(path, bundled or str(path))
+    path, name = resolve(source)
+    return _parse(path, _label(path, name))
 
 
-def _default_name(path: Path, bundled: str | None, data: Mapping[str, Any]) -> str:
-    if bundled:
-        return bundled
+def _label(path: Path, name: str | None) -> str:
+    """How errors name the config: a bundled short name, or the file (a hub id with its file)."""
+    if name is None:
+        return str(path)
+    return name if name in BUNDLED else f"{name}/{path.name}"
+
+
+def _default_name(path: Path, resolved_name: str | None, data: Mapping[str, Any]) -> str:
+    if resolved_name:  # a bundled short name or a hub id
+        return resolved_name
     name = data.get("_name_or_path")
     if isinstance(name, str) and name.strip():
         return name.strip()
     if path.name == "config.json" and path.parent.name:
-        return path.parent.resolve().name
+        parent = path.parent.absolute()
+        # a hub cache snapshot, .../models--org--name/snapshots/<commit>/: the repo id, not the commit
+        if parent.parent.name == "snapshots" and parent.parent.parent.name.startswith("models--"):
+            return parent.parent.parent.name.removeprefix("models--").replace("--", "/")
+        return parent.resolve().name
     return path.stem
 
 
@@ -102,10 +118,10 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], *, name: str | None
         data, label = dict(source), name or "<config>"
         default = name or str(data.get("_name_or_path") or data.get("model_type") or "model")
     else:
-        path, bundled = resolve(source)
-        label = bundled or str(path)
+        path, resolved_name = resolve(source)
+        label = _label(path, resolved_name)
         data = _parse(path, label)
-        default = _default_name(path, bundled, data)
+        default = _default_name(path, resolved_name, data)
     return plan_from_dict(data, label, name or default)
 
 

@@ -18,6 +18,7 @@ from kvstate.config import read_plan
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
+from kvstate.hub import resolve_checkpoint
 from kvstate.models.build import build_model
 
 
@@ -43,8 +44,8 @@ def family_of(plan):
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """-> (model in eval mode, plan). `path` is a checkpoint directory."""
-    path = Path(path)
+    """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub)."""
+    path = resolve_checkpoint(path)
     if not path.is_dir():
         raise KvstateError(f"{path}: not a checkpoint directory")
     plan = read_plan(path)

@@ -1,0 +1,99 @@
+"""Checkpoints and configs named by a local path or a Hugging Face hub id.
+
+    resolve_checkpoint("Qwen/Qwen3.5-0.8B") -> Path of the cached snapshot directory
+    resolve_config("Qwen/Qwen3.5-0.8B")     -> Path of its config.json (only that file is fetched)
+
+An existing local file or directory is used as is. Anything else is looked up through
+`huggingface_hub`, as transformers does: the local cache when offline (HF_HUB_OFFLINE=1 or no
+network), a download into that cache when online. Every failure is one KvstateError line.
+No torch; huggingface_hub is imported only when a hub id is actually resolved.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvstate.errors import KvstateError
+
+# What a checkpoint needs: config, weights (+ index), tokenizer and chat template files.
+# "*.json" covers config.json, generation_config.json, tokenizer(_config).json and the index.
+CHECKPOINT_PATTERNS: tuple[str, ...] = ("*.json", "*.safetensors", "*.jinja", "tokenizer*")
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """True for "org/name" as the hub accepts it (not "./x", "a/b/c", "x.json", a bare "name").
+
+    Bare names (legacy ids such as "gpt2") are left out so a mistyped path or bundled short
+    name gets a local error, not a hub lookup."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if text.count("/") != 1 or text.startswith((".", "/", "~")) or text.endswith(".json"):
+        return False
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A checkpoint directory: the path itself, or the cached (or downloaded) hub snapshot."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    repo_id = _repo_id(os.fspath(name_or_path))
+    from huggingface_hub import snapshot_download
+
+    return Path(_call_hub(repo_id, lambda: snapshot_download(repo_id, allow_patterns=list(CHECKPOINT_PATTERNS))))
+
+
+def resolve_config(name_or_path: str | os.PathLike) -> Path:
+    """A config source: the path itself, or the hub repo's config.json (fetched alone)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    repo_id = _repo_id(os.fspath(name_or_path))
+    from huggingface_hub import hf_hub_download
+
+    return Path(_call_hub(repo_id, lambda: hf_hub_download(repo_id, "config.json")))
+
+
+def _repo_id(text: str) -> str:
+    if not looks_like_repo_id(text):
+        raise KvstateError(f"{text}: no such file or directory")
+    return text
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _call_hub(repo_id: str, fetch):
+    """Run a huggingface_hub fetch, turning each of its failures into one line."""
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    where = f"{repo_id}: no such file or directory, and"
+    try:
+        return fetch()
+    except GatedRepoError:
+        raise KvstateError(f"{where} a gated Hugging Face repo: accept its terms and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise KvstateError(f"{where} no Hugging Face repo of that name (or it is private: log in)") from None
+    except RevisionNotFoundError:
+        raise KvstateError(f"{where} the Hugging Face repo has no such revision") from None
+    except LocalEntryNotFoundError:
+        if _offline():
+            raise KvstateError(f"{where} not in the Hugging Face cache (HF_HUB_OFFLINE is set, "
+                               "so nothing is downloaded)") from None
+        raise KvstateError(f"{where} not in the Hugging Face cache, and the hub cannot be reached") from None
+    except EntryNotFoundError:
+        raise KvstateError(f"{where} the Hugging Face repo has no config.json") from None
+    except HfHubHTTPError as exc:
+        raise KvstateError(f"{where} the Hugging Face hub answered: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise KvstateError(f"{repo_id}: cannot write to the Hugging Face cache: {exc.strerror or exc}") from None
