@@ -36,7 +36,10 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.exists():
             raise KvstateError(f"{path}: no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(file))
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for unreadable or malformed files
+            raise KvstateError(f"{file}: not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
         cfg = _read_json(path / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
@@ -85,6 +88,7 @@ class Tokenizer:
 
 def _render(template: str, **context) -> str:
     import jinja2
+    import jinja2.ext  # a submodule: `import jinja2` alone does not load it (transformers happened to)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):

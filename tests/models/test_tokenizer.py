@@ -1,6 +1,8 @@
 """Tokenizer and chat template: kvstate's (tokenizers + jinja2) against transformers' on a tiny trained BPE."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -67,3 +69,22 @@ def test_missing_tokenizer_and_template_errors(tmp_path, checkpoint):
     (tmp_path / "tokenizer.json").write_text((checkpoint / "tokenizer.json").read_text())
     with pytest.raises(KvstateError, match="no chat template"):
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_renders_without_transformers_imported(checkpoint):
+    # jinja2.ext is a submodule: only an explicit import loads it, and in the tests transformers
+    # had always imported it first. A fresh interpreter shows what `kvstate generate --chat` sees.
+    code = ("import sys; from kvstate.models.tokenizer import Tokenizer; "
+            f"out = Tokenizer({str(checkpoint)!r}).apply_chat_template([{{'role': 'user', 'content': 'hi'}}]); "
+            "assert 'transformers' not in sys.modules; print(out)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("<|im_start|>assistant\n\n")
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"model": {"type": "NoSuchModel"}}', ""])
+def test_malformed_tokenizer_json_is_one_line_naming_the_file(tmp_path, content):
+    (tmp_path / "tokenizer.json").write_text(content)
+    with pytest.raises(KvstateError, match=r"tokenizer\.json: not a valid tokenizer\.json") as info:
+        Tokenizer(tmp_path)
+    assert "\n" not in str(info.value)
