@@ -29,7 +29,12 @@ def safetensors_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError) as exc:
             raise KvstateError(f"{index}: malformed safetensors index ({exc})") from None
-        return [path / f for f in sorted(set(weight_map.values()))]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise KvstateError(f"{index}: names shard {missing[0]}, which is not in {path}"
+                               + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise KvstateError(f"{path}: no *.safetensors files")
@@ -61,17 +66,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     filled = {name: 0 for name in params}
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                targets = family.weight_targets(key, plan)
-                if targets is None:
-                    raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {plan.model_type} model")
-                if not targets:
-                    continue
-                tensor = f.get_tensor(key)
-                layout[key] = tuple(tensor.shape)
-                for t in targets:
-                    _copy(params, filled, t, tensor, key, file.name)
+        for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type):
+            layout[key] = tuple(tensor.shape)
+            for t in targets:
+                _copy(params, filled, t, tensor, key, file.name, plan)
     if plan.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
     missing = [n for n, count in filled.items() if count < params[n].numel()]
@@ -84,7 +82,36 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     return model, plan
 
 
-def _copy(params, filled, target, tensor, key, file):
+def _tensors(file: Path, targets_of, model_type: str):
+    """(name, targets, tensor) of each checkpoint tensor that has targets in our model; a file that is not
+    valid safetensors (truncated, garbage) is one KvstateError naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                targets = targets_of(key)
+                if targets is None:
+                    raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")
+                if targets:
+                    yield key, targets, f.get_tensor(key)
+    except KvstateError:
+        raise
+    except Exception as exc:  # safetensors raises SafetensorError (a bare Exception subclass) or OSError
+        raise KvstateError(f"{file}: not a valid safetensors file ({str(exc).splitlines()[0][:120]})") from None
+
+
+def _config_hint(plan, expected: tuple[int, ...], got: tuple[int, ...]) -> str:
+    """Which config.json fields a shape disagreement points at: the integer fields equal to an
+    expected size the weights do not have (hidden_size first, the most common culprit)."""
+    sizes = {e for e, g in zip(expected, got) if e != g} if len(expected) == len(got) else set(expected) - set(got)
+    fields = [k for k, v in plan.config.items() if type(v) is int and v in sizes]
+    fields.sort(key=lambda k: k != "hidden_size")
+    if not fields:
+        return ""
+    shown = " or ".join(f"{k} = {plan.config[k]}" for k in fields[:3])
+    return f"; config.json's {shown} disagrees with the weights"
+
+
+def _copy(params, filled, target, tensor, key, file, plan):
     if target.name not in params:
         raise KvstateError(f"{file}: tensor {key!r} maps to {target.name!r}, which this model does not have")
     dest = params[target.name]
@@ -93,7 +120,8 @@ def _copy(params, filled, target, tensor, key, file):
     if tuple(src.shape) != tuple(view.shape):
         if src.numel() != view.numel() or [d for d in src.shape if d != 1] != [d for d in view.shape if d != 1]:
             raise KvstateError(f"{file}: tensor {key!r} has shape {tuple(tensor.shape)}, expected "
-                               f"{tuple(view.shape)} for {target.name}")
+                               f"{tuple(view.shape)} for {target.name}"
+                               + _config_hint(plan, tuple(view.shape), tuple(src.shape)))
         src = src.reshape(view.shape)  # e.g. depthwise conv1d weight [D, 1, W] -> [D, W]
     with torch.no_grad():
         view.copy_(src)
