@@ -1,0 +1,108 @@
+// Python binding of the skinny GEMM: checks, run-time ISA choice, x preparation and the split of
+// the output columns (W rows) over torch's intra-op threads.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "gemv.h"
+
+namespace {
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// The ISAs this CPU can run, best first.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  if (has_avx512()) out.push_back("avx512");
+  if (has_avx2()) out.push_back("avx2");
+  return out;
+}
+
+// x [M, K] -> xp [M, Kp], zero-padded to whole blocks of 2 * lanes. For bf16 weights each block
+// is reordered [x0 x2 x4 ... | x1 x3 x5 ...] so that it lines up with the even / odd halves of
+// the 32-bit words the kernel widens the weights from.
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, int lanes, bool bf16, float* xp) {
+  const int block = 2 * lanes;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * K;
+    float* dst = xp + m * Kp;
+    if (!bf16) {
+      std::copy(src, src + K, dst);
+      std::fill(dst + K, dst + Kp, 0.f);
+      continue;
+    }
+    for (int64_t b = 0; b < Kp; b += block)
+      for (int i = 0; i < block; ++i) {
+        const int64_t k = b + i;
+        dst[b + (i % 2) * lanes + i / 2] = k < K ? src[k] : 0.f;
+      }
+  }
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate gemv: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate gemv: x must be float32 [M, K]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "kvstate gemv: weight must be float32 or bfloat16 [N, K]");
+  TORCH_CHECK(w.is_contiguous(), "kvstate gemv: weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "kvstate gemv: x has ", K, " columns, weight ", w.size(1));
+  const float* bptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "kvstate gemv: bias must be contiguous float32 [N]");
+    bptr = bias->data_ptr<float>();
+  }
+  const std::vector<std::string> have = isas();
+  TORCH_CHECK(!have.empty(), "kvstate gemv: this CPU has neither AVX-512 nor AVX2+FMA");
+  const std::string use = isa == "auto" ? have.front() : isa;
+  TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
+              "' not available on this CPU");
+  const bool wide = use == "avx512";
+  const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t Kp = (K + 2 * lanes - 1) / (2 * lanes) * (2 * lanes);
+  auto xp = at::empty({M, Kp}, x.options());
+  {
+    pybind11::gil_scoped_release no_gil;
+    prepare_x(x.data_ptr<float>(), M, K, Kp, lanes, bf16, xp.data_ptr<float>());
+    const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N};
+    // Work items are blocks of 4 W rows; a thread gets at least ~64 KiB of weights so that tiny
+    // matrices do not pay for waking threads.
+    const int64_t rows_per_item = 4;
+    const int64_t items = (N + rows_per_item - 1) / rows_per_item;
+    const int64_t item_bytes = std::max<int64_t>(1, rows_per_item * K * w.element_size());
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / item_bytes);
+    at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+      const int64_t n0 = i0 * rows_per_item, n1 = std::min(N, i1 * rows_per_item);
+      if (wide)
+        kvstate::avx512::rows(args, n0, n1);
+      else
+        kvstate::avx2::rows(args, n0, n1);
+    });
+  }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvstate skinny GEMM: y = x @ W^T (+ bias), W fp32 or bf16, fp32 math";
+  m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (+ bias)", pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");
+  m.def("isas", &isas, "ISAs this CPU can run, best first");
+}

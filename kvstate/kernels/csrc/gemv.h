@@ -1,0 +1,30 @@
+// Skinny GEMM y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for decode-sized M, fp32 math.
+// One implementation per ISA (gemv_avx512.cpp, gemv_avx2.cpp), chosen at run time in gemv.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace kvstate {
+
+struct GemvArgs {
+  const float* x;     // [M, Kp]: x zero-padded to Kp; for bf16 weights each block of 2*lanes is
+                      // stored as [even lanes | odd lanes] (see prepare_x in gemv.cpp)
+  int64_t M, K, Kp;
+  const void* w;      // [N, K] row-major, float or bf16 bits (uint16)
+  bool bf16;
+  const float* bias;  // [N] or nullptr
+  float* y;           // [M, N]
+  int64_t N;
+};
+
+// Each ISA computes the output columns [n0, n1) for every row of x.
+namespace avx512 {
+constexpr int kLanes = 16;
+void rows(const GemvArgs& a, int64_t n0, int64_t n1);
+}  // namespace avx512
+namespace avx2 {
+constexpr int kLanes = 8;
+void rows(const GemvArgs& a, int64_t n0, int64_t n1);
+}  // namespace avx2
+
+}  // namespace kvstate

@@ -1,0 +1,52 @@
+// AVX2 + FMA instance of the skinny GEMM: the path for CPUs without AVX-512 (and forced in
+// tests on CPUs with it). 16 vector registers, so tiles are 4 W rows x 2 x rows.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "gemv.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace kvstate::avx2 {
+
+struct Isa {
+  using V = __m256;
+  using Raw = __m256i;
+  static constexpr int L = kLanes;
+  static constexpr int kMaxMT = 2;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static float reduce(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  }
+  static V wf32(const float* p) { return _mm256_loadu_ps(p); }
+  // AVX2 has no 16-bit masked load: the (once per row and tile) tail goes through a zeroed buffer.
+  static V wf32_tail(const float* p, int rem) {
+    float b[L] = {};
+    std::memcpy(b, p, size_t(rem) * sizeof(float));
+    return _mm256_loadu_ps(b);
+  }
+  static Raw wbf16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Raw wbf16_tail(const uint16_t* p, int rem) {
+    uint16_t b[2 * L] = {};
+    std::memcpy(b, p, size_t(rem) * sizeof(uint16_t));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  }
+  static V even(Raw r) { return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)); }
+  static V odd(Raw r) { return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)))); }
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+};
+
+#include "gemv_tile.h"
+
+}  // namespace kvstate::avx2
+
+#pragma GCC pop_options

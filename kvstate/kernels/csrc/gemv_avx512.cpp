@@ -1,0 +1,41 @@
+// AVX-512 (F + BW) instance of the skinny GEMM; only called when the CPU reports both.
+// AVX-512 BF16's dot-product instruction is not used on purpose: it takes x in bf16 too, which
+// would round the activations; here bf16 weights are widened exactly and the math stays fp32.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "gemv.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+
+namespace kvstate::avx512 {
+
+struct Isa {
+  using V = __m512;
+  using Raw = __m512i;
+  static constexpr int L = kLanes;
+  static constexpr int kMaxMT = 4;  // 4 x 4 accumulators + 8 x vectors + 3 temporaries of 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static float reduce(V v) { return _mm512_reduce_add_ps(v); }
+  static V wf32(const float* p) { return _mm512_loadu_ps(p); }
+  static V wf32_tail(const float* p, int rem) { return _mm512_maskz_loadu_ps(__mmask16((1u << rem) - 1), p); }
+  static Raw wbf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Raw wbf16_tail(const uint16_t* p, int rem) {
+    return _mm512_maskz_loadu_epi16(__mmask32((1ull << rem) - 1), p);
+  }
+  static V even(Raw r) { return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)); }
+  static V odd(Raw r) { return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)))); }
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+};
+
+#include "gemv_tile.h"
+
+}  // namespace kvstate::avx512
+
+#pragma GCC pop_options

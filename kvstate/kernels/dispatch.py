@@ -1,0 +1,103 @@
+"""`linear(x, weight, bias)`: the compiled skinny GEMM for decode-sized inputs, torch otherwise.
+
+The extension serves CPU float32 x with at most `MAX_ROWS` rows (all leading dimensions
+flattened) and a contiguous float32 or bfloat16 weight, outside autograd. Everything else, and
+everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
+first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|avx512|avx2|auto` in
+the environment, or `with kernels.backend("torch"):` (tests), which wins over the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kvstate.kernels import _ext
+
+# Past ~16 rows torch's blocked GEMM (oneDNN/MKL) catches up: it re-reads the weights from cache
+# while we would re-read them once per 16 rows, and it is free of the x re-layout.
+MAX_ROWS = 16
+CHOICES = ("auto", "torch", "avx512", "avx2")
+ENV = "KVSTATE_KERNELS"
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvstate_kernels_backend", default=None)
+
+
+def _choice() -> str:
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
+    return value
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Force a backend inside the block: "torch" (the fallback), "avx512"/"avx2" (that ISA), "auto"."""
+    if name not in CHOICES:
+        raise ValueError(f"kernel backend {name!r}: expected one of {', '.join(CHOICES)}")
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fallback: F.linear in x's dtype (bf16 -> fp32 weights are upcast exactly)."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        return False
+    if bias is not None and (bias.device.type != "cpu" or bias.dim() != 1):
+        return False
+    # The kernel has no backward.
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    return True
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32 or bfloat16, fp32 math."""
+    choice = _choice()
+    if choice != "torch" and _eligible(x, weight, bias):
+        rows = math.prod(x.shape[:-1])
+        ext = _ext.load() if rows <= MAX_ROWS else None
+        if ext is not None:
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                bias = bias.float().contiguous()
+            x2 = x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous if needed
+            y = ext.linear(x2, weight, bias, choice)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return torch_linear(x, weight, bias)
+
+
+def info() -> dict:
+    """Which path `linear` takes here and why: backend, ISA, the CPU's ISAs, the library."""
+    choice = _choice()
+    ext = _ext.load()
+    isas = list(ext.isas()) if ext is not None else []
+    if choice == "torch":
+        return dict(backend="torch", isa=None, isas=isas, reason=f"forced ({ENV}=torch or backend('torch'))",
+                    max_rows=MAX_ROWS, library=str(_ext.LIBRARY) if ext else None)
+    if ext is None:
+        return dict(backend="torch", isa=None, isas=[], reason=_ext.unavailable_reason(), max_rows=MAX_ROWS,
+                    library=None)
+    isa = isas[0] if choice == "auto" else choice
+    reason = None if isa in isas else f"ISA {isa} not available on this CPU (has {', '.join(isas)})"
+    return dict(backend="extension", isa=isa, isas=isas, reason=reason, max_rows=MAX_ROWS, library=str(_ext.LIBRARY))

@@ -1,0 +1,42 @@
+"""`Linear`: an nn.Linear whose weight may be stored in bf16 while the math stays fp32.
+
+A drop-in for the model layers (phase 2 of issue 9): same parameter names and state-dict keys
+as nn.Linear, so checkpoints load unchanged; a bf16 checkpoint's weights are kept as they are
+(half the bytes to stream per decode step) and widened exactly inside `kvstate.kernels.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvstate.kernels.dispatch import linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear with `weight_dtype` (float32 or bfloat16) for the weight; bias and math in `dtype`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 weight_dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        if weight_dtype is not None and weight_dtype != self.weight.dtype:
+            self.weight = nn.Parameter(self.weight.detach().to(weight_dtype), requires_grad=self.weight.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear, weight_dtype: torch.dtype | None = None) -> Linear:
+        """A Linear sharing `module`'s parameters (the weight converted when `weight_dtype` differs)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = module.in_features, module.out_features
+        weight = module.weight
+        if weight_dtype is not None and weight_dtype != weight.dtype:
+            weight = nn.Parameter(weight.detach().to(weight_dtype), requires_grad=weight.requires_grad)
+        out.weight = weight
+        out.bias = module.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight_dtype={self.weight.dtype}"
