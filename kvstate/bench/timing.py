@@ -47,12 +47,13 @@ def start(args):
     """The common start of a benchmark run: torch threads (--threads), a rich console (on stderr
     under --json, so stdout stays machine-readable) and this machine's measured limits."""
     import torch
-    from rich.console import Console
+
+    from kvstate.commands.console import make_console
 
     if args.threads:
         torch.set_num_threads(args.threads)
     quick = getattr(args, "quick", False)
-    console = Console(stderr=args.json)
+    console = make_console(stderr=args.json)
     with console.status("measuring the machine's GEMM rate and memory bandwidth"):
         limits = measure_machine(size=1024 if quick else 2048, copy_mib=64 if quick else 256)
     return console, limits

@@ -122,13 +122,13 @@ def _bar(plan):
 
 
 def _print_tables(args, contexts, models, fits, chart) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from kvstate.commands.console import make_console
     from kvstate.memory import format_bytes as fb
     from kvstate.memory import format_tokens
 
-    console = Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+    console = make_console()
     times = f" x{args.batch}" if args.batch > 1 else ""
     table = Table(title="Cache per request" + (f" (totals for {args.batch} requests)" if times else ""),
                   title_justify="left")
