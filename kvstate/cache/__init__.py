@@ -1,8 +1,9 @@
-"""The engine's two kinds of cache, described and (later) allocated.
+"""The engine's two kinds of cache: described (`spec`, torch-free) and allocated (`pools`).
 
-`spec` (torch-free): per-layer KV bytes per token and fixed per-request state, computed from a
-ModelPlan. The pools that a later issue adds here (paged KV blocks + state slots) size
-themselves from the same spec, so `kvstate memory` predicts exactly what the engine allocates.
+`spec`: per-layer KV bytes per token and fixed per-request state, computed from a ModelPlan's
+mixer kinds. `pools` (paged KV blocks + state slots, torch) are allocated from that spec alone,
+so `kvstate memory` predicts exactly what the engine allocates. Import `kvstate.cache.pools`
+explicitly: this package stays importable without torch.
 """
 
 from kvstate.cache.spec import CONV_WINDOWS, CacheEntry, CacheSpec, TensorSpec, cache_spec, mixer_entry

@@ -1,7 +1,7 @@
 """The per-layer cache spec: exactly what the engine allocates for one request (no torch).
 
 `cache_spec(plan, kv_dtype=, state_dtype=, conv_dtype=, conv_window=)` turns a ModelPlan into
-one `CacheEntry` per token mixer:
+one `CacheEntry` per token mixer, as each mixer kind describes its cache (kvstate.config.mixers):
 
     attention   kv     per token [2, num_kv_heads, head_dim]       (K and V)
     mla         kv     per token [kv_lora_rank + qk_rope_head_dim]  (one latent, no separate V)
@@ -13,8 +13,9 @@ one `CacheEntry` per token mixer:
 
 Recurrent states follow the ops' [H, K, V] orientation (DESIGN.md). `window` is the conv kernel
 ("kernel": what transformers allocates, and the spec documents' convention) or kernel - 1
-("kernel-1": the columns a decode step really needs, as vLLM keeps). The engine sizes its KV
-block pool and state slot pool from these entries, so the bytes here are the bytes it allocates.
+("kernel-1": the columns a decode step really needs, as vLLM keeps). The pools
+(`kvstate.cache.pools`) are allocated from these entries and nothing else, so the bytes here are
+the bytes the engine allocates.
 """
 
 from __future__ import annotations
@@ -23,17 +24,7 @@ from dataclasses import dataclass
 from math import prod
 
 from kvstate.config.dtypes import canonical_dtype, dtype_bytes, known_dtypes
-from kvstate.config.plan import (
-    AttentionSpec,
-    GatedDeltaNetSpec,
-    KDASpec,
-    Mamba1Spec,
-    Mamba2Spec,
-    MixerSpec,
-    MLASpec,
-    ModelPlan,
-    ShortConvSpec,
-)
+from kvstate.config.plan import MixerSpec, ModelPlan
 from kvstate.errors import KvstateError
 
 CONV_WINDOWS = ("kernel", "kernel-1")
@@ -81,6 +72,21 @@ class CacheEntry:
     def state_bytes(self) -> int:
         return self.recurrent_bytes + self.conv_bytes
 
+    def pool_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        """The shape of one pool entry per key: "k"/"v" [block_size, Hkv, D] or "latent" [block_size, R]
+        per KV block; "state" (recurrent) and "conv" [conv_dim, window] per state slot."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        if self.kv is not None:
+            if self.kind == "attention":  # per token [2, Hkv, D]: K and V pools
+                shapes["k"] = shapes["v"] = (block_size, *self.kv.shape[1:])
+            else:  # MLA: one latent per token
+                shapes["latent"] = (block_size, *self.kv.shape)
+        if self.recurrent is not None:
+            shapes["state"] = self.recurrent.shape
+        if self.conv is not None:
+            shapes["conv"] = self.conv.shape
+        return shapes
+
 
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
@@ -92,6 +98,7 @@ class CacheSpec:
     conv_dtype: str
     conv_window: str  # "kernel" | "kernel-1"
     entries: tuple[CacheEntry, ...]
+    num_layers: int = 0  # decoder blocks, with or without an entry
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -124,26 +131,10 @@ def _dtype(name: str, option: str) -> str:
 
 def mixer_entry(layer: int, m: MixerSpec, kv_dtype: str, state_dtype: str, conv_dtype: str,
                 conv_window: str) -> CacheEntry:
-    """The cache of one mixer (dtypes canonical, conv_window one of CONV_WINDOWS)."""
-    if isinstance(m, AttentionSpec):
-        return CacheEntry(layer, m.kind, kv=TensorSpec((2, m.num_kv_heads, m.head_dim), kv_dtype))
-    if isinstance(m, MLASpec):
-        return CacheEntry(layer, m.kind, kv=TensorSpec((m.kv_lora_rank + m.qk_rope_head_dim,), kv_dtype))
-    if isinstance(m, GatedDeltaNetSpec):
-        state = (m.num_v_heads, m.head_k_dim, m.head_v_dim)
-    elif isinstance(m, KDASpec):
-        state = (m.num_heads, m.head_dim, m.head_dim)
-    elif isinstance(m, Mamba2Spec):
-        state = (m.num_heads, m.d_state, m.head_dim)
-    elif isinstance(m, Mamba1Spec):
-        state = (m.d_inner, m.d_state)
-    elif isinstance(m, ShortConvSpec):
-        state = None
-    else:
-        raise TypeError(f"unknown mixer spec {type(m).__name__}")
-    window = m.conv_kernel - (conv_window == "kernel-1")
-    conv = TensorSpec((m.conv_dim, window), conv_dtype) if window > 0 else None
-    return CacheEntry(layer, m.kind, recurrent=state and TensorSpec(state, state_dtype), conv=conv)
+    """The cache of one mixer as its spec kind describes it (dtypes canonical, conv_window one of CONV_WINDOWS)."""
+    kv, state, conv = m.kv_shape(), m.state_shape(), m.conv_shape(conv_window)
+    return CacheEntry(layer, m.kind, kv=kv and TensorSpec(kv, kv_dtype), recurrent=state and TensorSpec(state, state_dtype),
+                      conv=conv and TensorSpec(conv, conv_dtype))
 
 
 def cache_spec(plan: ModelPlan, *, kv_dtype: str | None = None, state_dtype: str | None = None,
@@ -157,4 +148,4 @@ def cache_spec(plan: ModelPlan, *, kv_dtype: str | None = None, state_dtype: str
     conv = _dtype(conv_dtype or plan.dtype, "--conv-dtype")
     entries = tuple(mixer_entry(layer.index, m, kv, state, conv, conv_window)
                     for layer in plan.layers for m in layer.mixers)
-    return CacheSpec(plan.name, kv, state, conv, conv_window, entries)
+    return CacheSpec(plan.name, kv, state, conv, conv_window, entries, plan.num_layers)

@@ -2,9 +2,10 @@
 
 `ModelPlan.layers` holds one `LayerSpec` per decoder block. A block has zero, one or more
 token mixers (Falcon-H1 runs attention and Mamba-2 side by side; Nemotron-H's MLP/MoE blocks
-have none) and one FFN. Each mixer kind is a small frozen dataclass carrying exactly the dims
-that size its cache and its weights. The cache spec (`kvstate.cache.spec`), the memory planner
-and, later, the model builder and the engine's pools all read this one description.
+have none) and one FFN. Each mixer kind (`kvstate.config.mixers`) is a small frozen dataclass
+carrying exactly the dims that size its cache and its weights, and giving both. The cache spec
+(`kvstate.cache.spec`), the memory planner, the model builder and the engine's pools all read
+this one description.
 
 Layer letters (`ModelPlan.layer_string`, one per block):
     A full attention (MHA/GQA)     L MLA (latent attention)     G Gated DeltaNet
@@ -16,127 +17,23 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any
+
+from kvstate.config.mixers import (  # noqa: F401  (the mixer kinds are part of the plan's vocabulary)
+    KV_KINDS,
+    LETTERS,
+    MIXER_KINDS,
+    AttentionSpec,
+    GatedDeltaNetSpec,
+    KDASpec,
+    Mamba1Spec,
+    Mamba2Spec,
+    MixerSpec,
+    MLASpec,
+    ShortConvSpec,
+)
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionSpec:
-    """Softmax attention with a growing KV cache: per token 2 x num_kv_heads x head_dim values."""
-
-    kind: ClassVar[str] = "attention"
-    letter: ClassVar[str] = "A"
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    output_gate: bool = False  # Qwen's gated attention: q_proj is twice as wide (half is the gate)
-
-
-@dataclass(frozen=True, slots=True)
-class MLASpec:
-    """Multi-head latent attention: caches one latent of kv_lora_rank + qk_rope_head_dim per token."""
-
-    kind: ClassVar[str] = "mla"
-    letter: ClassVar[str] = "L"
-    num_heads: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None  # None: q_proj maps hidden -> heads directly (Kimi Linear)
-
-
-@dataclass(frozen=True, slots=True)
-class GatedDeltaNetSpec:
-    """Gated DeltaNet: state [num_v_heads, head_k_dim, head_v_dim]; conv over q, k and v channels."""
-
-    kind: ClassVar[str] = "gated_deltanet"
-    letter: ClassVar[str] = "G"
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
-
-
-@dataclass(frozen=True, slots=True)
-class KDASpec:
-    """Kimi Delta Attention: state [num_heads, head_dim, head_dim]; separate q, k, v short convs."""
-
-    kind: ClassVar[str] = "kda"
-    letter: ClassVar[str] = "K"
-    num_heads: int
-    head_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return 3 * self.num_heads * self.head_dim
-
-
-@dataclass(frozen=True, slots=True)
-class Mamba2Spec:
-    """Mamba-2 (SSD): state [num_heads, d_state, head_dim]; conv over x, B and C channels."""
-
-    kind: ClassVar[str] = "mamba2"
-    letter: ClassVar[str] = "M"
-    num_heads: int
-    head_dim: int
-    d_state: int
-    n_groups: int
-    conv_kernel: int
-
-    @property
-    def d_inner(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.n_groups * self.d_state
-
-
-@dataclass(frozen=True, slots=True)
-class Mamba1Spec:
-    """Mamba-1 selective scan: state [d_inner, d_state]; conv over the d_inner channels."""
-
-    kind: ClassVar[str] = "mamba1"
-    letter: ClassVar[str] = "S"
-    d_inner: int
-    d_state: int
-    conv_kernel: int
-    dt_rank: int
-
-    @property
-    def conv_dim(self) -> int:
-        return self.d_inner
-
-
-@dataclass(frozen=True, slots=True)
-class ShortConvSpec:
-    """A gated short causal convolution (LFM2): no recurrent state, a conv window over `dim` channels."""
-
-    kind: ClassVar[str] = "short_conv"
-    letter: ClassVar[str] = "C"
-    dim: int
-    kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return self.dim
-
-    @property
-    def conv_kernel(self) -> int:
-        return self.kernel
-
-
-MixerSpec = Union[AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec, ShortConvSpec]
-MIXER_KINDS: tuple[type, ...] = (AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec,
-                                 ShortConvSpec)
-KV_KINDS = frozenset({"attention", "mla"})  # mixers whose cache grows with the context
-LETTERS: dict[str, str] = {cls.kind: cls.letter for cls in MIXER_KINDS}
 NO_MIXER, MULTI_MIXER = "-", "H"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.cache.pools import LayerCache, allocate_from_spec, check_against_model
+from kvstate.cache.pools import LayerCache, allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
 from kvstate.models.batch import Batch
@@ -27,9 +27,8 @@ class ModelRunner:
                                conv_window=conv_window)
         self.sizes = pool_sizes(self.spec, cache_bytes, block_size=block_size, num_slots=num_slots,
                                 max_model_len=max_model_len)
-        self.caches: list[LayerCache] = allocate_from_spec(self.spec, plan.num_layers, num_blocks=self.sizes.num_blocks,
-                                                           block_size=block_size, num_slots=num_slots)
-        check_against_model(self.caches, model, block_size)
+        self.caches: list[LayerCache] = allocate_pools(self.spec, num_blocks=self.sizes.num_blocks,
+                                                       block_size=block_size, num_slots=num_slots, device=model.device)
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -49,8 +48,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step) -> torch.Tensor:
         """Run a StepPlan; returns logits [len(step.sample_indices), vocab] (fp32)."""
-        batch = Batch.build(**step.batch_args())
-        ids = torch.tensor(step.input_ids(), dtype=torch.int64)
-        logits = self.model(ids, batch, self.caches)  # one row per entry (logits="last")
-        rows = step.sample_indices
-        return logits if len(rows) == len(step) else logits[rows]
+        device = self.model.device
+        batch = Batch.build(**step.batch_args(), sample_rows=step.sample_indices, device=device)
+        ids = torch.tensor(step.input_ids(), dtype=torch.int64, device=device)
+        return self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head

@@ -60,14 +60,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, k, batch.positions)
-        write_kv(cache.k, k, batch.slot_mapping)
-        write_kv(cache.v, v, batch.slot_mapping)
+        write_kv(cache.k, k, batch.kv_indices)
+        write_kv(cache.v, v, batch.kv_indices)
         o = paged_attention(q, cache.k, cache.v, batch, scale=self.scale).reshape(t, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
-
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-block shapes of this layer's KV pool entries."""
-        shape = (block_size, self.num_kv_heads, self.head_dim)
-        return {"k": shape, "v": shape}

@@ -2,8 +2,8 @@
 
 in_proj_qkv -> short causal conv (SiLU) -> q, k, v heads; beta = sigmoid(in_proj_b(x));
 g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias); gated delta rule with L2-normed q, k;
-gated RMSNorm with z = in_proj_z(x); out_proj. Prefill chunks use the chunk op over the packed
-batch (cu_seqlens), decode steps the recurrent op; both carry the state in the layer's slots.
+gated RMSNorm with z = in_proj_z(x); out_proj. The conv window [conv_dim, W] and the state
+[HV, K, V] live in the layer's state slots; `layers.recurrence` runs prefill and decode entries.
 Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into these four at load time.
 """
 
@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
+from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+OPS = RecurrentOps(chunk_gated_delta_rule, recurrent_gated_delta_rule)
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,33 +47,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.in_proj_qkv(x)  # [T, conv_dim]
-        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, D]
-        decode = batch.decode_only
-
+        qkv = short_conv(self.in_proj_qkv(x), cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        # decode: [N, 1, heads, dim] batches; prefill: one packed [1, T, heads, dim] with cu_seqlens
-        shape = (t, 1) if decode else (1, t)
-        q = q.reshape(*shape, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(*shape, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(*shape, self.num_v_heads, self.head_v_dim)
-        g, beta = g.reshape(*shape, -1), beta.reshape(*shape, -1)
-        if decode:  # the slots' states [HV, K, V] are updated in place in the pool
-            o, _ = recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                              **decode_pool(cache.state, batch))
-        else:
-            state = read_slots(cache.state, batch)  # [N, HV, K, V] fp32
-            o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
-            write_slots(cache.state, batch, state)
-
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
+        tokens = dict(q=q.view(t, self.num_k_heads, self.head_k_dim), k=k.view(t, self.num_k_heads, self.head_k_dim),
+                      v=v.view(t, self.num_v_heads, self.head_v_dim), g=g, beta=beta)
+        o = recur(OPS, cache.state, batch, tokens, use_qk_l2norm_in_kernel=True)  # [T, HV, V]; state [HV, K, V]
         z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(o.reshape(t, self.value_dim))
-
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-slot shapes: recurrent state [HV, K, V] and conv window [conv_dim, W]."""
-        return {"state": (self.num_v_heads, self.head_k_dim, self.head_v_dim),
-                "conv": (self.conv_dim, self.conv_kernel)}

@@ -6,7 +6,7 @@ row blocks, so the conv state is one [3 * H * D, W] window per slot, as the cach
 per-channel log-decay g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias) [T, H, D];
 beta = sigmoid(b_proj(x)); the KDA recurrence with L2-normed q, k; output norm
 w * rmsnorm(o) * sigmoid(g_b(g_a(x))) per head (Kimi gates with a sigmoid, not SiLU); o_proj.
-Prefill runs chunk_kda over the packed batch (cu_seqlens); decode steps run recurrent_kda.
+Prefill entries run chunk_kda, decode entries recurrent_kda (`layers.recurrence`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
+from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_kda, recurrent_kda
+
+OPS = RecurrentOps(chunk_kda, recurrent_kda)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -47,30 +49,13 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, 3HD]
-        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, D]
-        decode = batch.decode_only
-
-        # decode: [N, 1, H, D] batches; prefill: one packed [1, T, H, D] with cu_seqlens
-        shape = (t, 1, h, d) if decode else (1, t, h, d)
-        q, k, v = (part.reshape(shape) for part in qkv.split(self.dim, dim=-1))
+        qkv = short_conv(self.qkv_proj(x), cache.conv, batch, self.conv_weight, None, self.act)  # [T, 3HD]
+        q, k, v = (part.view(t, h, d) for part in qkv.split(self.dim, dim=-1))
         gate_in = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # [T, HD]
         g = -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(t, h, d))  # [T, H, D], <= 0
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        g, beta = g.reshape(shape), beta.reshape(shape[:3])
-        if decode:  # the slots' states [H, D, D] are updated in place in the pool
-            o, _ = recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, **decode_pool(cache.state, batch))
-        else:
-            state = read_slots(cache.state, batch)  # [N, H, D, D] fp32
-            o, state = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, cu_seqlens=batch.cu_seqlens)
-            write_slots(cache.state, batch, state)
-
+        o = recur(OPS, cache.state, batch, dict(q=q, k=k, v=v, g=g, beta=beta),
+                  use_qk_l2norm_in_kernel=True)  # [T, H, D]; state [H, D, D]
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         o = self.o_norm(o.reshape(t, h, d), gate)
         return self.o_proj(o.reshape(t, self.dim))
-
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-slot shapes: recurrent state [H, D, D] and one conv window [3HD, W] for q, k and v."""
-        return {"state": (self.num_heads, self.head_dim, self.head_dim),
-                "conv": (3 * self.dim, self.conv_kernel)}

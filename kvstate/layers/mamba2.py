@@ -3,9 +3,9 @@
 in_proj -> [z (gate), xBC, dt]; short causal conv over xBC with SiLU; split into x (heads of
 head_dim), B and C (n_groups x d_state); SSD scan with A = -exp(A_log), dt = softplus(dt + dt_bias)
 and the D skip; gated grouped RMSNorm of y * silu(z) (one norm per group of d_inner / n_groups
-channels); out_proj. Prefill chunks run `chunk_ssd` over the packed batch (cu_seqlens), decode
-steps `recurrent_ssd`; both carry the conv window [conv_dim, W] and the SSD state
-[H, d_state, head_dim] in the layer's state slots (transformers' cache holds the state's
+channels); out_proj. Prefill entries run `chunk_ssd`, decode entries `recurrent_ssd`
+(`layers.recurrence`); the conv window [conv_dim, W] and the SSD state [H, d_state, head_dim]
+live in the layer's state slots (transformers' cache holds the state's
 transpose, [H, head_dim, d_state]).
 
 dt clamping follows transformers (and mamba_ssm): the chunked scan clamps dt to `dt_limit`, the
@@ -20,11 +20,12 @@ import math
 import torch
 from torch import nn
 
-from kvstate.layers._state import decode_pool, read_slots, short_conv, write_slots
 from kvstate.layers.norm import GatedRMSNorm
+from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_ssd, recurrent_ssd
 
 NO_LIMIT = (0.0, math.inf)
+OPS = RecurrentOps(chunk_ssd, recurrent_ssd)
 
 
 class Mamba2(nn.Module):
@@ -59,30 +60,13 @@ class Mamba2(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        xbc = short_conv(xbc, cache.conv, batch, self.conv_weight, self.conv_bias, self.act)  # [T, D]
-        decode = batch.decode_only
-
+        xbc = short_conv(xbc, cache.conv, batch, self.conv_weight, self.conv_bias, self.act)  # [T, conv_dim]
         groups = self.n_groups * self.d_state
         xs, B, C = xbc.split([self.d_inner, groups, groups], dim=-1)
-        # decode: [N, 1, ...] batches of one token; prefill: one packed [1, T, ...] with cu_seqlens
-        shape = (t, 1) if decode else (1, t)
-        xs = xs.reshape(*shape, self.num_heads, self.head_dim)
-        B = B.reshape(*shape, self.n_groups, self.d_state)
-        C = C.reshape(*shape, self.n_groups, self.d_state)
-        dt = dt.reshape(*shape, self.num_heads)
-        A = -self.A_log.float().exp()
-        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True)
-        if decode:  # no dt clamp on the decode step, as transformers' and mamba_ssm's step(); in-place slots
-            y, _ = recurrent_ssd(xs, dt, A, B, C, **common, **decode_pool(cache.state, batch))
-        else:
-            state = read_slots(cache.state, batch)  # [N, H, d_state, head_dim] fp32
-            y, state = chunk_ssd(xs, dt, A, B, C, dt_limit=self.dt_limit, cu_seqlens=batch.cu_seqlens,
-                                 chunk_size=self.chunk_size, initial_state=state, output_final_state=True, **common)
-            write_slots(cache.state, batch, state)
-
+        tokens = dict(x=xs.reshape(t, self.num_heads, self.head_dim), dt=dt,
+                      B=B.reshape(t, self.n_groups, self.d_state), C=C.reshape(t, self.n_groups, self.d_state))
+        # no dt clamp on the decode step, as transformers' and mamba_ssm's step()
+        y = recur(OPS, cache.state, batch, tokens, A=-self.A_log.float().exp(), D=self.D, dt_bias=self.dt_bias,
+                  dt_softplus=True, prefill=dict(dt_limit=self.dt_limit, chunk_size=self.chunk_size))
         y = self.norm(y.reshape(t, self.d_inner), z)  # gate then grouped norm
         return self.out_proj(y)
-
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-slot shapes: SSD state [H, d_state, head_dim] and conv window [conv_dim, W]."""
-        return {"state": (self.num_heads, self.d_state, self.head_dim), "conv": (self.conv_dim, self.conv_kernel)}

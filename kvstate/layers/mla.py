@@ -55,7 +55,7 @@ class MLA(nn.Module):
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope + self.rope)
         c, k_r = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        write_kv(cache.latent, torch.cat([self.kv_a_layernorm(c), k_r], dim=-1), batch.slot_mapping)
+        write_kv(cache.latent, torch.cat([self.kv_a_layernorm(c), k_r], dim=-1), batch.kv_indices)
         if batch.decode_only:
             o = self._absorbed(q, cache.latent, batch)
         else:
@@ -79,7 +79,7 @@ class MLA(nn.Module):
     def _decompressed(self, q: torch.Tensor, latent: torch.Tensor, batch) -> torch.Tensor:
         """q [T, H, nope + rope] -> o [T, H, v]: per sequence, expand its latents into K, V and attend."""
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.token_offsets
         for i, (q_len, kv_len) in enumerate(zip(batch.query_lens, batch.kv_lens)):
             if q_len == 0:
                 continue
@@ -93,11 +93,8 @@ class MLA(nn.Module):
             if ctx == 0:
                 o = F.scaled_dot_product_attention(qi, k, v.transpose(0, 1), is_causal=q_len > 1, scale=self.scale)
             else:
-                allowed = torch.arange(kv_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+                pos = torch.arange(kv_len, device=q.device)
+                allowed = pos[None, :] <= pos[ctx:, None]  # [q_len, kv_len]: query t sees keys 0..ctx+t
                 o = F.scaled_dot_product_attention(qi, k, v.transpose(0, 1), attn_mask=allowed, scale=self.scale)
             out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
         return out
-
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        """Per-block shape of the latent pool: one [kv_lora_rank + qk_rope_head_dim] row per token."""
-        return {"latent": (block_size, self.kv_lora_rank + self.rope)}

@@ -1,30 +1,59 @@
 """The metadata of one forward step, passed explicitly to the model (no hidden globals).
 
-A step runs a packed batch of N sequences: each contributes `query_lens[i]` new tokens after
-`context_lens[i]` tokens already in its cache. Attention layers find their KV through
-`block_tables` (paged blocks of `block_size` tokens) and write new K/V at `slot_mapping`;
-linear layers read and write their recurrent and conv state at `state_slots`.
+A step runs a packed batch of N entries (sequences): entry i contributes `query_lens[i]` new
+tokens after `context_lens[i]` tokens already in its cache. Attention layers find their KV
+through `block_tables` (paged blocks of `block_size` tokens) and write new K/V at `kv_indices`;
+linear layers read and write their recurrent and conv state at `state_slots` (a "slot" is only
+ever a state slot).
+
+Each entry has a mode, set once by whoever builds the batch (the runner; by default "decode" for
+one new token, else "prefill"): linear mixers run the recurrent op on decode entries and the chunk
+op on prefill entries (`groups`, see `kvstate.layers.recurrence`). A later "verify" mode (k+1
+draft tokens through the recurrent op, keeping every intermediate state) slots in here.
+
+Host-side lengths are plain lists computed once; every tensor lives on the model's device
+(`Batch.build(..., device=)`). The model returns logits only for `sample_rows`: the last token of
+the entries whose next token is sampled (or, with logits="all", every token, for tests/analysis).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
+
+MODES = ("prefill", "decode")  # "verify" comes with speculative decoding
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """The entries of a step that run through one op of a linear mixer (all of one mode)."""
+
+    mode: str  # "prefill" | "decode"
+    entries: list[int]  # entry indices, in batch order
+    rows: slice | torch.Tensor  # their packed token rows: a slice when contiguous, else [T_g] int64
+    num_tokens: int
+    cu_seqlens: torch.Tensor  # [n + 1] int64, packed offsets within the group's tokens
+    slots: torch.Tensor  # [n] int64, state slot of each entry
+    fresh_slots: torch.Tensor | None  # [f] int64, slots of entries with an empty cache (start from zeros)
 
 
 @dataclass
 class Batch:
-    cu_seqlens: torch.Tensor  # [N + 1] int64, packed offsets of the new tokens
+    query_lens: list[int]  # host: new tokens per entry
+    context_lens: list[int]  # host: tokens cached before this step
+    kv_lens: list[int]  # host: context + new tokens
+    token_offsets: list[int]  # host: [N + 1] packed offsets (cu_seqlens as a list)
+    modes: list[str]  # per entry, one of MODES
+    cu_seqlens: torch.Tensor  # [N + 1] int64
     positions: torch.Tensor  # [T] int64, absolute position of every new token
-    context_lens: torch.Tensor  # [N] int64, tokens cached before this step
-    state_slots: torch.Tensor  # [N] int64, state slot of each sequence
+    state_slots: torch.Tensor  # [N] int64, state slot of each entry
     block_tables: torch.Tensor  # [N, max_blocks] int64, KV block ids (-1 past the end)
-    slot_mapping: torch.Tensor  # [T] int64, flat KV row (block * block_size + offset) of each new token
+    kv_indices: torch.Tensor  # [T] int64, flat KV row (block * block_size + offset) of each new token
     block_size: int
-    logits_indices: torch.Tensor  # [M] int64, packed rows whose logits are returned
-    query_lens: list[int] = field(default_factory=list)  # host copies for the python loops
-    kv_lens: list[int] = field(default_factory=list)
+    logits_indices: torch.Tensor  # [M] int64, packed rows whose logits the model returns
+    groups: tuple[StateGroup, ...]  # one per mode present, decode first
 
     @property
     def num_seqs(self) -> int:
@@ -32,42 +61,70 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return self.token_offsets[-1]
 
     @property
     def decode_only(self) -> bool:
-        """Every sequence adds exactly one token: linear layers take the recurrent (decode) path."""
-        return all(q == 1 for q in self.query_lens)
+        """Every entry is a decode (one token through the recurrent op / the absorbed MLA form)."""
+        return all(m == "decode" for m in self.modes)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], state_slots: list[int],
-              block_tables: list[list[int]], block_size: int, *, logits: str = "last") -> "Batch":
-        """Assemble the tensors from host lists. `logits`: "last" (one row per sequence) or "all"."""
+              block_tables: list[list[int]], block_size: int, *, sample_rows: list[int] | None = None,
+              logits: str = "last", modes: list[str] | None = None, device=None) -> "Batch":
+        """Assemble the step from host lists. `sample_rows`: the entries whose last token's logits are
+        returned (default: every entry with a token); logits="all": every token's (not with sample_rows).
+        `modes`: per entry (default: "decode" for one new token, else "prefill")."""
         n = len(query_lens)
         if not (len(context_lens) == len(state_slots) == len(block_tables) == n):
             raise ValueError("query_lens, context_lens, state_slots and block_tables must have one entry per sequence")
-        cu = [0]
-        positions: list[int] = []
-        slot_mapping: list[int] = []
         for q, c, table in zip(query_lens, context_lens, block_tables):
             if len(table) * block_size < c + q:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {c + q} tokens")
-            cu.append(cu[-1] + q)
-            for p in range(c, c + q):
-                positions.append(p)
-                slot_mapping.append(table[p // block_size] * block_size + p % block_size)
-        width = max((len(t) for t in block_tables), default=0)
-        tables = torch.full((n, max(width, 1)), -1, dtype=torch.int64)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        if logits == "last":
-            rows = [cu[i + 1] - 1 for i in range(n) if query_lens[i] > 0]
-        elif logits == "all":
-            rows = list(range(cu[-1]))
+        modes = list(modes) if modes is not None else ["decode" if q == 1 else "prefill" for q in query_lens]
+        if len(modes) != n or any(m not in MODES for m in modes):
+            raise ValueError(f"modes must give one of {MODES} per entry, got {modes}")
+        if any(m == "decode" and q != 1 for m, q in zip(modes, query_lens)):
+            raise ValueError("a decode entry computes exactly one token")
+        offsets = [0, *accumulate(query_lens)]
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+
+        width = max(1, max((len(t) for t in block_tables), default=0))
+        tables = as_t([list(t) + [-1] * (width - len(t)) for t in block_tables]).view(n, width)
+        q_t, cu = as_t(query_lens), as_t(offsets)
+        entry = torch.repeat_interleave(torch.arange(n, device=device), q_t)  # [T] entry of each token
+        positions = torch.arange(offsets[-1], device=device) - cu[entry] + as_t(context_lens)[entry]
+        kv_indices = tables[entry, positions // block_size] * block_size + positions % block_size
+
+        if logits == "all":
+            if sample_rows is not None:
+                raise ValueError("sample_rows selects last-token rows; it does not go with logits='all'")
+            rows = list(range(offsets[-1]))
+        elif logits == "last":
+            wanted = range(n) if sample_rows is None else sample_rows
+            rows = [offsets[i + 1] - 1 for i in wanted if query_lens[i] > 0]
         else:
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-        return cls(cu_seqlens=as_t(cu), positions=as_t(positions), context_lens=as_t(context_lens),
-                   state_slots=as_t(state_slots), block_tables=tables, slot_mapping=as_t(slot_mapping),
-                   block_size=block_size, logits_indices=as_t(rows), query_lens=list(query_lens),
-                   kv_lens=[c + q for c, q in zip(context_lens, query_lens)])
+        slots = as_t(state_slots)
+        groups = tuple(_group(mode, [i for i in range(n) if modes[i] == mode], query_lens, context_lens,
+                              offsets, slots, device)
+                       for mode in ("decode", "prefill") if mode in modes)
+        return cls(query_lens=list(query_lens), context_lens=list(context_lens),
+                   kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
+                   cu_seqlens=cu, positions=positions, state_slots=slots, block_tables=tables, kv_indices=kv_indices,
+                   block_size=block_size, logits_indices=as_t(rows), groups=groups)
+
+
+def _group(mode: str, entries: list[int], query_lens, context_lens, offsets, slots, device) -> StateGroup:
+    """The group of `entries`; their token rows are a slice when they are consecutive in the batch."""
+    lens = [query_lens[i] for i in entries]
+    if entries == list(range(entries[0], entries[-1] + 1)):
+        rows: slice | torch.Tensor = slice(offsets[entries[0]], offsets[entries[-1] + 1])
+    else:
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=device) for i in entries])
+    idx = torch.tensor(entries, dtype=torch.int64, device=device)
+    fresh = [j for j, i in enumerate(entries) if context_lens[i] == 0]
+    group_slots = slots if len(entries) == len(query_lens) else slots.index_select(0, idx)
+    return StateGroup(mode, entries, rows, sum(lens),
+                      torch.tensor([0, *accumulate(lens)], dtype=torch.int64, device=device), group_slots,
+                      group_slots[fresh] if fresh else None)

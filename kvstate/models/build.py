@@ -1,41 +1,57 @@
 """Build the generic hybrid decoder from a layer plan and the family's model options.
 
-Each mixer kind maps to one layer class with a `from_spec(spec, hidden_size, options)`
-constructor; each FFN kind to the MLP or MoE modules. The modules are created on the meta
+Each mixer spec class maps to one layer class (`MIXERS`) with a `from_spec(spec, hidden_size,
+options)` constructor; each FFN kind to the MLP or MoE modules. The model keeps its plan: its
+cache pools are allocated from the plan's cache spec (`kvstate.cache`), never from the layers. The modules are created on the meta
 device (no time spent on random init); the loader then materializes and fills them.
 """
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 
 import torch
+from torch import nn
 
 from kvstate.config.options import ModelOptions
-from kvstate.config.plan import FfnSpec, ModelPlan
+from kvstate.config.plan import (
+    AttentionSpec,
+    FfnSpec,
+    GatedDeltaNetSpec,
+    KDASpec,
+    Mamba1Spec,
+    Mamba2Spec,
+    MLASpec,
+    ModelPlan,
+)
 from kvstate.errors import KvstateError
+from kvstate.layers.attention import Attention
+from kvstate.layers.gated_deltanet import GatedDeltaNet
+from kvstate.layers.kda import KimiDeltaAttention
+from kvstate.layers.mamba1 import Mamba1
+from kvstate.layers.mamba2 import Mamba2
+from kvstate.layers.mla import MLA
 from kvstate.layers.mlp import MLP, GatedMLP
 from kvstate.layers.moe import MoE
 from kvstate.layers.norm import RMSNorm
 from kvstate.models.decoder import Block, HybridDecoder
 
-# mixer kind -> "module:Class" in kvstate.layers
-MIXERS = {
-    "attention": "kvstate.layers.attention:Attention",
-    "gated_deltanet": "kvstate.layers.gated_deltanet:GatedDeltaNet",
-    "mla": "kvstate.layers.mla:MLA",
-    "kda": "kvstate.layers.kda:KimiDeltaAttention",
-    "mamba2": "kvstate.layers.mamba2:Mamba2",
-    "mamba1": "kvstate.layers.mamba1:Mamba1",
+# mixer spec kind -> its layer, sized by `from_spec(spec, hidden_size, options)`
+MIXERS: dict[type, type[nn.Module]] = {
+    AttentionSpec: Attention,
+    GatedDeltaNetSpec: GatedDeltaNet,
+    MLASpec: MLA,
+    KDASpec: KimiDeltaAttention,
+    Mamba2Spec: Mamba2,
+    Mamba1Spec: Mamba1,
 }
 
 
-def mixer_class(kind: str):
-    if kind not in MIXERS:
-        raise KvstateError(f"mixer kind {kind!r} has no model implementation (have: {', '.join(MIXERS)})")
-    module, name = MIXERS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+def mixer_class(spec) -> type[nn.Module]:
+    if type(spec) not in MIXERS:
+        have = ", ".join(cls.kind for cls in MIXERS)
+        raise KvstateError(f"mixer kind {spec.kind!r} has no model implementation (have: {have})")
+    return MIXERS[type(spec)]
 
 
 def build_ffn(spec: FfnSpec, hidden: int, opts: ModelOptions):
@@ -61,7 +77,7 @@ def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.devi
             mixer = None
             if layer.mixers:
                 spec = layer.mixers[0]
-                mixer = mixer_class(spec.kind).from_spec(spec, plan.hidden_size, opts)
+                mixer = mixer_class(spec).from_spec(spec, plan.hidden_size, opts)
             blocks.append(Block(mixer, build_ffn(layer.ffn, plan.hidden_size, opts), norm))
         return HybridDecoder(plan.vocab_size, plan.hidden_size, blocks, norm,
-                             tie_word_embeddings=plan.tie_word_embeddings, layer_string=plan.layer_string)
+                             tie_word_embeddings=plan.tie_word_embeddings, plan=plan)

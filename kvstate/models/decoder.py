@@ -33,7 +33,7 @@ class Block(nn.Module):
 
 class HybridDecoder(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, blocks: list[Block], norm: Callable[[], nn.Module], *,
-                 tie_word_embeddings: bool = False, layer_string: str = ""):
+                 tie_word_embeddings: bool = False, plan=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(blocks)
@@ -41,12 +41,22 @@ class HybridDecoder(nn.Module):
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.layer_string = layer_string  # e.g. "GGGA" * 6: one letter per layer's mixer kind
+        self.plan = plan  # the ModelPlan it was built from: its cache spec sizes the pools
+
+    @property
+    def layer_string(self) -> str:
+        """One letter per layer's mixer kind, e.g. "GGGA" * 6."""
+        return self.plan.layer_string if self.plan is not None else ""
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
 
     def forward(self, input_ids: torch.Tensor, batch, caches: list) -> torch.Tensor:
-        """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices."""
+        """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices only
+        (the last token of each sampled entry): mid-prefill rows never reach the LM head."""
         x = self.embed_tokens(input_ids)
         for block, cache in zip(self.layers, caches):
             x = block(x, batch, cache)
-        x = self.norm(x.index_select(0, batch.logits_indices))
+        x = self.norm(x.index_select(0, batch.logits_indices))  # [M, hidden]
         return self.lm_head(x).float()

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.cache.pools import allocate
+from kvstate.cache.pools import allocate_pools
+from kvstate.cache.spec import cache_spec
 from kvstate.models.batch import Batch
 
 
-def contiguous_caches(model, num_seqs: int, max_len: int, dtype=torch.float32):
-    """Pools where sequence i owns KV block i (block_size = max_len) and state slot i."""
-    return allocate(model, num_blocks=num_seqs, block_size=max_len, num_slots=num_seqs, kv_dtype=dtype,
-                    conv_dtype=dtype)
+def contiguous_caches(model, num_seqs: int, max_len: int, dtype: str = "float32", *, conv_window: str = "kernel"):
+    """Pools from the model's cache spec where sequence i owns KV block i (block_size = max_len) and
+    state slot i; KV, state and conv in `dtype`."""
+    spec = cache_spec(model.plan, kv_dtype=dtype, state_dtype=dtype, conv_dtype=dtype, conv_window=conv_window)
+    return allocate_pools(spec, num_blocks=num_seqs, block_size=max_len, num_slots=num_seqs, device=model.device)
 
 
 @torch.inference_mode()
@@ -24,8 +26,8 @@ def forward_logits(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     n, max_len = len(sequences), max(len(s) for s in sequences)
     caches = contiguous_caches(model, n, max_len)
     batch = Batch.build([len(s) for s in sequences], [0] * n, list(range(n)), [[i] for i in range(n)], max_len,
-                        logits="all")
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+                        logits="all", device=model.device)
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=model.device)
     logits = model(ids, batch, caches)
     return list(logits.split([len(s) for s in sequences]))
 
@@ -40,8 +42,8 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int, *, eos_token_
     done = 0
     while done < len(prompt):
         piece = prompt[done : done + step]
-        batch = Batch.build([len(piece)], [done], [0], [[0]], max_len)
-        logits = model(torch.tensor(piece), batch, caches)
+        batch = Batch.build([len(piece)], [done], [0], [[0]], max_len, device=model.device)
+        logits = model(torch.tensor(piece, device=model.device), batch, caches)
         done += len(piece)
     out: list[int] = []
     for _ in range(max_new_tokens):
@@ -49,6 +51,6 @@ def greedy_generate(model, prompt: list[int], max_new_tokens: int, *, eos_token_
         out.append(token)
         if eos_token_ids and token in eos_token_ids or len(out) == max_new_tokens:
             break
-        batch = Batch.build([1], [len(prompt) + len(out) - 1], [0], [[0]], max_len)
-        logits = model(torch.tensor([token]), batch, caches)
+        batch = Batch.build([1], [len(prompt) + len(out) - 1], [0], [[0]], max_len, device=model.device)
+        logits = model(torch.tensor([token], device=model.device), batch, caches)
     return out

@@ -65,12 +65,12 @@ def test_plan_builds_the_models_batch():
     assert batch.query_lens == [6, 6] and plan.sample_indices == [0]
     assert batch.cu_seqlens.tolist() == [0, 6, 12] and len(plan.input_ids()) == 12
     table_b = plan.block_tables[1]
-    assert batch.slot_mapping[6:].tolist() == [table_b[p // 4] * 4 + p % 4 for p in range(6)]
+    assert batch.kv_indices[6:].tolist() == [table_b[p // 4] * 4 + p % 4 for p in range(6)]
     assert batch.state_slots.tolist() == plan.state_slots and len(set(plan.state_slots)) == 2
     s.postprocess(plan, [5])
     plan = s.schedule()  # a decodes at position 6, b finishes its prompt
     batch = Batch.build(**plan.batch_args())
-    assert batch.positions.tolist() == [6, 6, 7, 8] and torch.equal(batch.context_lens, torch.tensor([6, 6]))
+    assert batch.positions.tolist() == [6, 6, 7, 8] and batch.context_lens == [6, 6]
 
 
 def test_decodes_first_then_continuing_prefills_then_admissions():

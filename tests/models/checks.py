@@ -9,7 +9,7 @@ temp dir, loads it with kvstate, and runs these checks (all fp32 on CPU):
 
 Also shared: `redraw_weights` (unit-scale random weights for the tiny models), `rewrite_checkpoint` /
 `check_load_fails` (a saved checkpoint edited tensor by tensor), and `check_plan_matches_model` /
-`check_bundled_config_builds_as_planned` (a model's parameters and cache pools are the planner's).
+`check_bundled_config_builds_as_planned` (a model's layers and parameters are the planner's).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvstate.cache.pools import layer_cache_shapes, spec_layer_shapes
-from kvstate.cache.spec import cache_spec
 from kvstate.config import read_plan
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
@@ -98,12 +96,17 @@ def check_load_fails(path, edit, match: str, dest=None) -> None:
         load_model(bad)
 
 
-def check_plan_matches_model(plan, model, block_size: int = 16) -> None:
-    """Per layer, the pools the model's mixers ask for are exactly the planner's cache spec: same keys
-    (k/v, latent, state, conv, or none) and same per-block / per-slot shapes."""
-    ours = layer_cache_shapes(model, block_size)
-    planned = spec_layer_shapes(cache_spec(plan), plan.num_layers, block_size)
-    assert ours == planned, [(i, a, b) for i, (a, b) in enumerate(zip(ours, planned)) if a != b] or (ours, planned)
+def check_plan_matches_model(plan, model) -> None:
+    """Every layer's mixer is the class its plan spec maps to, built from that spec (so its cache is
+    the spec's cache entry), and the model has exactly as many parameters as the planner estimates."""
+    from kvstate.models.build import mixer_class
+
+    assert model.plan is plan
+    for block, layer in zip(model.layers, plan.layers, strict=True):
+        assert (block.mixer is None) == (not layer.mixers)
+        if layer.mixers:
+            assert type(block.mixer) is mixer_class(layer.mixers[0])
+    assert sum(p.numel() for p in model.parameters()) == plan.params.total
 
 
 def build_on_meta(plan):
@@ -117,7 +120,6 @@ def check_bundled_config_builds_as_planned(name):
     parameters as the planner estimates and exactly the cache shapes of its cache spec. -> (model, plan)"""
     plan = read_plan(name)
     model = build_on_meta(plan)
-    assert sum(p.numel() for p in model.parameters()) == plan.params.total
     check_plan_matches_model(plan, model)
     return model, plan
 

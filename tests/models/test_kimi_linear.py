@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-from kvstate.cache.pools import allocate
+from kvstate.cache.pools import allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.models.batch import Batch
 from kvstate.models.generate import forward_logits
@@ -94,13 +94,14 @@ def test_paged_chunked_prefill_and_batched_decode_equal_full(saved):
     """Three sequences in small scattered KV blocks and permuted state slots: a packed prefill in two
     chunks (the second continues from cached latents and states), then batched decode steps (the
     absorbed MLA and the recurrent KDA with N > 1), equal each sequence's own full forward."""
-    model, _ = load_model(saved[1])
+    model, plan = load_model(saved[1])
     chunks, steps, bs = ((5, 2, 8), (4, 1, 6)), 6, 4
     prompts = [a + b for a, b in zip(*chunks)]
     seqs = [random_ids(VOCAB, n + steps, 20 + i) for i, n in enumerate(prompts)]
     tables = [[5, 0, 9, 2, 11], [7, 3, 12], [1, 8, 4, 10, 6]]  # enough blocks of 4 for every length
     slots = [2, 0, 1]
-    caches = allocate(model, num_blocks=13, block_size=bs, num_slots=3)
+    spec = cache_spec(plan, kv_dtype="float32", conv_dtype="float32")
+    caches = allocate_pools(spec, num_blocks=13, block_size=bs, num_slots=3)
     got = [[] for _ in seqs]
     done = [0, 0, 0]
     for lens in chunks:
@@ -176,5 +177,5 @@ def test_cache_shapes_agree_with_cache_spec(saved, source):
     if source != "tiny":
         spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
         assert spec.kv_bytes_per_token == 7 * 576 * 4  # 7 MLA layers, one latent of 512 + 64 each
-        caches = allocate(model, num_blocks=0, block_size=16, num_slots=0)
+        caches = allocate_pools(spec, num_blocks=0, block_size=16, num_slots=0)
         assert sum(c.latent is not None for c in caches) == 7

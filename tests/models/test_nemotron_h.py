@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from kvstate.cache.pools import allocate_from_spec, check_against_model
+from kvstate.cache.pools import allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.models.batch import Batch
 from kvstate.models.generate import contiguous_caches
@@ -109,24 +109,19 @@ def test_cache_shapes_agree_with_the_cache_spec(tmp_path):
     check_plan_matches_model(plan, model)
 
 
-def test_pools_from_the_cache_spec_are_exactly_what_the_model_declares(tmp_path):
-    """The runner's check passes the pools allocated from the spec, and fails a missing pool, a pool
-    of another shape and a pool that the model does not declare."""
+@pytest.mark.parametrize("window", ["kernel", "kernel-1"])
+def test_pools_are_allocated_from_the_cache_spec_alone(tmp_path, window):
+    """Pool keys and per-entry shapes are the spec entries' (a conv window of W or W-1 columns), and the
+    pools hold exactly the planner's bytes."""
     model, plan = save_and_load(tiny(), tmp_path)
-    caches = allocate_from_spec(cache_spec(plan), plan.num_layers, num_blocks=3, block_size=16, num_slots=2)
-    check_against_model(caches, model, 16)
-    for layer, key, pool, message in [
-        (1, "v", None, r"layer 1: pool 'v' has per-entry shape None, the model needs \(16, 2, 48\)"),
-        (0, "state", torch.zeros(2, 4, 16, 31), r"layer 0: pool 'state' has per-entry shape \(4, 16, 31\)"),
-        (2, "conv", torch.zeros(2, 8, 4), r"layer 2: pool 'conv' .* the model declares no such pool"),
-    ]:
-        kept = getattr(caches[layer], key)
-        setattr(caches[layer], key, pool)
-        with pytest.raises(ValueError, match=message):
-            check_against_model(caches, model, 16)
-        setattr(caches[layer], key, kept)
-    with pytest.raises(ValueError, match="6 layers of pools for a model of 7"):
-        check_against_model(caches[:-1], model, 16)
+    spec = cache_spec(plan, kv_dtype="float32", conv_dtype="bfloat16", conv_window=window)
+    caches = allocate_pools(spec, num_blocks=3, block_size=16, num_slots=2)
+    w = 4 - (window == "kernel-1")
+    assert [sorted(k for k in ("k", "v", "state", "conv") if getattr(c, k) is not None) for c in caches] == [
+        ["conv", "state"], ["k", "v"], [], [], ["conv", "state"], ["k", "v"], []]
+    assert caches[0].conv.shape == (2, 128 + 2 * 2 * 16, w) and caches[0].conv.dtype == torch.bfloat16
+    assert caches[1].k.shape == (3, 16, 2, 48) and caches[4].state.shape == (2, 4, 16, 32)
+    assert sum(c.nbytes() for c in caches) == 3 * 16 * spec.kv_bytes_per_token + 2 * spec.state_bytes
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):

@@ -1,0 +1,108 @@
+"""The one recurrence path of the linear mixers (Gated DeltaNet, KDA, Mamba-2, Mamba-1).
+
+A mixer kind plugs in its two ops (`RecurrentOps`: the chunk form for prefill, the recurrent form
+for decode) and hands over its per-token inputs; this module owns everything around them:
+- the step's mode, per entry, as the batch carries it (`Batch.groups`): decode entries run the
+  recurrent op on [n, 1, ...] and prefill entries the chunk op on one packed [1, T, ...] with
+  their own cu_seqlens, so a step that mixes both runs each entry through the right op;
+- the state rows: entries with an empty cache start from zeros; decode updates the pool's rows in
+  place (`state_indices`), prefill reads the rows, runs, and writes the final states back;
+- the short causal conv before the mixer, with the same split and its conv-window slots
+  (`kernel` or `kernel - 1` columns, as the cache spec sizes them).
+A third mode, "verify" (k+1 draft tokens through the recurrent op keeping the state after every
+token, for speculative decoding), and state snapshots for prefix caching belong here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvstate.ops import causal_conv1d, causal_conv1d_update
+
+
+@dataclass(frozen=True)
+class RecurrentOps:
+    """A mixer kind's two forms of its recurrence, both `(**inputs, initial_state=, ...) -> (o, state)`."""
+
+    chunk: Callable  # prefill: cu_seqlens, initial_state, output_final_state
+    recurrent: Callable  # decode: one token per sequence
+    pooled: bool = True  # the recurrent form updates pool rows in place (state_indices, inplace_final_state)
+
+
+def _rows(pool: torch.Tensor, group) -> torch.Tensor:
+    """The group's slots of `pool` [num_slots, *shape] -> [n, *shape]; an empty cache reads zeros."""
+    if group.fresh_slots is not None:
+        pool.index_fill_(0, group.fresh_slots, 0)
+    return pool.index_select(0, group.slots)
+
+
+def _write(pool: torch.Tensor, group, rows: torch.Tensor) -> None:
+    """rows [n, *shape] -> the group's slots. A conv pool of kernel - 1 columns keeps the newest ones."""
+    pool.index_copy_(0, group.slots, rows[..., -pool.shape[-1]:].to(pool.dtype))
+
+
+def _scatter(parts: list[tuple[object, torch.Tensor]], num_tokens: int) -> torch.Tensor:
+    """[(rows, out [T_g, ...])] of the groups -> [T, ...] in batch order."""
+    if len(parts) == 1:
+        return parts[0][1]
+    first = parts[0][1]
+    out = first.new_empty(num_tokens, *first.shape[1:])
+    for rows, o in parts:
+        if isinstance(rows, slice):
+            out[rows] = o
+        else:
+            out.index_copy_(0, rows, o)
+    return out
+
+
+def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None) -> torch.Tensor:
+    """The short causal depthwise conv of a linear mixer: x [T, D] -> [T, D], carrying each entry's
+    conv window [D, W or W-1] in its slot of `pool` (one-step update for decode, varlen for prefill)."""
+    parts = []
+    for group in batch.groups:
+        xg, state = x[group.rows], _rows(pool, group)  # [T_g, D], [n, D, S]
+        if group.mode == "decode":
+            y = causal_conv1d_update(xg, state, weight, bias, activation=activation)  # shifts `state` in place
+        else:
+            y, state = causal_conv1d(xg[None], weight, bias, activation=activation, initial_state=state,
+                                     output_final_state=True, cu_seqlens=group.cu_seqlens)
+            y = y[0]
+        _write(pool, group, state)
+        parts.append((group.rows, y))
+    return _scatter(parts, x.shape[0])
+
+
+def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.Tensor], *,
+          prefill: dict | None = None, decode: dict | None = None, **shared) -> torch.Tensor:
+    """Run the recurrence over the step: `tokens` are the per-token inputs [T, ...] by the ops' argument
+    names, `shared` the other arguments of both forms, `prefill` / `decode` those of one form only.
+    Reads and writes the entries' states in `pool` [num_slots, *state]; returns o [T, ...]."""
+    parts = []
+    for group in batch.groups:
+        if group.mode == "decode":  # [n, 1, ...]: one token per sequence
+            xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}
+            o = _decode(ops, pool, group, xs, {**shared, **(decode or {})})
+        else:  # one packed [1, T_g, ...] with the group's cu_seqlens
+            xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
+            o, state = ops.chunk(**xs, **shared, **(prefill or {}), initial_state=_rows(pool, group),
+                                 output_final_state=True, cu_seqlens=group.cu_seqlens)
+            _write(pool, group, state)
+        parts.append((group.rows, o.reshape(group.num_tokens, *o.shape[2:])))
+    return _scatter(parts, next(iter(tokens.values())).shape[0])
+
+
+def _decode(ops: RecurrentOps, pool: torch.Tensor, group, xs: dict, kwargs: dict) -> torch.Tensor:
+    """One token per entry through the recurrent op, the pool's rows updated in place."""
+    if ops.pooled:
+        if group.fresh_slots is not None:
+            pool.index_fill_(0, group.fresh_slots, 0)
+        o, _ = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots, inplace_final_state=True)
+        return o
+    # an op without a state-pool form (the selective scan): its rows are gathered and written back
+    o, state = ops.recurrent(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True)
+    _write(pool, group, state)
+    return o
