@@ -40,7 +40,7 @@ def available_memory() -> int:
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 conv_window: str = "kernel", seed: int | None = None):
+                 conv_window: str = "kernel", seed: int | None = None, load_progress=None):
         import torch
 
         from kvstate.engine.runner import ModelRunner
@@ -48,7 +48,7 @@ class LLM:
         from kvstate.models.loader import load_model
 
         path = Path(model)
-        self.model, self.plan = load_model(path)
+        self.model, self.plan = load_model(path, progress=load_progress)  # progress(bytes_done, total): a bar
         self.tokenizer = None
         if (path / "tokenizer.json").exists():
             from kvstate.models.tokenizer import Tokenizer
