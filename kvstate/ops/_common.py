@@ -1,4 +1,5 @@
-"""Shared pieces of the ops: argument checks, L2 norm, grouped heads and varlen packing.
+"""Shared pieces of the ops: argument checks, sequence bounds, compute dtype, L2 norm, grouped heads
+and varlen packing.
 
 Layouts (DESIGN.md): tokens [B, T, H, D]; a packed variable-length batch is [1, sum(T), H, D]
 with `cu_seqlens` (int, [N + 1], FlashAttention convention); states [N, HV, K, V] in fp32.
@@ -85,6 +86,24 @@ def num_sequences(batch: int, cu_seqlens: torch.Tensor | None) -> int:
     return batch if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
+def seq_bounds(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(starts, lens): first token and length of each sequence in the flat [B * T] token rows.
+
+    A [B, T] batch is B sequences of T tokens; a packed [1, sum(T)] batch is cut by `cu_seqlens`.
+    Host-side lists: the ops loop over sequences in Python (one device sync here, not one per use).
+    """
+    if cu_seqlens is None:
+        return [i * seqlen for i in range(batch)], [seqlen] * batch
+    bounds = cu_seqlens.tolist()
+    return bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """Accumulation dtype: fp64 when an input is fp64 (exact references, gradient checks), else fp32
+    (never bf16: torch's bf16 matmul on CPU is slow, and states accumulate)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, as fla and transformers compute it (in fp32)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
@@ -102,10 +121,9 @@ def repeat_heads(x: torch.Tensor, num_heads: int, dim: int = 2) -> torch.Tensor:
 
 def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor, pad_value: float = 0.0) -> torch.Tensor:
     """[1, sum(T), *rest] -> right-padded [N, max(T), *rest]."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    starts, lens = seq_bounds(1, x.shape[1], cu_seqlens)
     n, t_max = len(lens), max(lens, default=0)
     out = x.new_full((n, t_max, *x.shape[2:]), pad_value)
-    starts = cu_seqlens[:-1].tolist()
     for i, (s, n_i) in enumerate(zip(starts, lens)):
         out[i, :n_i] = x[0, s : s + n_i]
     return out
@@ -113,5 +131,5 @@ def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor, pad_value: float = 0.0) ->
 
 def pack(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Right-padded [N, max(T), *rest] -> [1, sum(T), *rest] (the inverse of `unpack`)."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    _, lens = seq_bounds(1, 0, cu_seqlens)
     return torch.cat([x[i, :n] for i, n in enumerate(lens)], dim=0).unsqueeze(0)

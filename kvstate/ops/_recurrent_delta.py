@@ -1,4 +1,5 @@
-"""Shared driver of the recurrent (decode) forms of the delta family: state blocks that stay in cache.
+"""Shared driver of the recurrent (decode) forms of the q/k/v ops (delta rule, gated delta rule,
+(gated) linear attention, SSD, KDA): state blocks that stay in cache.
 
 Decode is memory-bound: each step must read and write every state once (32 sequences x 32 heads x
 128 x 128 fp32 = 64 MiB for Qwen3.5-size layers). A token's update needs several passes over its
@@ -7,7 +8,8 @@ DRAM. Instead we walk the state a block at a time (about BLOCK_BYTES: a few head
 or several whole sequences when each has one token) and run every token of the call on that
 block while it sits in cache, so DRAM sees about one read and
 one write of each state, as in a fused kernel. Blocks are independent, so big calls spread them
-over worker threads (kvstate/ops/_threads.py).
+over worker threads (kvstate/ops/_threads.py). An op brings only its per-token update, a `step`
+over rows of its flattened [tokens x HV] inputs.
 
 State API (for the engine):
 - `initial_state` [P, HV, K, V]; row `state_indices[n]` (default n) is sequence n's state.
@@ -27,12 +29,13 @@ from typing import Callable
 import torch
 
 from kvstate.ops import _threads
-from kvstate.ops._chunk_delta import Batch
+from kvstate.ops._common import check_state_args
+from kvstate.ops._inputs import FlatInputs
 
 BLOCK_BYTES = 2 << 20  # state bytes per block: about one core's L2
 
 
-def _blocks(batch: Batch, merge: bool) -> list[tuple[int, int, int, int]]:
+def _blocks(batch: FlatInputs, merge: bool) -> list[tuple[int, int, int, int]]:
     """State blocks (first sequence, end sequence, first head, end head) of about BLOCK_BYTES.
 
     A block is a head range of one sequence, or with `merge` (one token per sequence, states in
@@ -46,20 +49,35 @@ def _blocks(batch: Batch, merge: bool) -> list[tuple[int, int, int, int]]:
     return [(n, n + 1, h0, min(hv, h0 + nb)) for n in range(batch.n_seq) for h0 in range(0, hv, nb)]
 
 
-def _mergeable(batch: Batch, output_all_states: bool, state_indices) -> bool:
+def _mergeable(batch: FlatInputs, output_all_states: bool, state_indices) -> bool:
     return not output_all_states and state_indices is None and all(n == 1 for n in batch.lens)
 
 
-def plan(batch: Batch, output_all_states: bool, state_indices):
-    """Context giving the number of workers for this call (kvstate/ops/_threads.py `plan`)."""
-    _, hv, dk, dv = batch.dims
-    blocks = _blocks(batch, _mergeable(batch, output_all_states, state_indices))
-    return _threads.plan(batch.q.shape[0] * hv * dk * dv, len(blocks))
-
-
-def run(batch: Batch, step: Callable, *, n_work: int, output_final_state: bool, output_all_states: bool,
+def run(batch: FlatInputs, build: Callable, *, output_final_state: bool, output_all_states: bool,
         inplace_final_state: bool, state_indices: torch.Tensor | None):
-    """Drive step(r0, r1, s_in, s_out) over state blocks and tokens, on n_work workers.
+    """A recurrent form's call: check the state arguments, then build() -> (step, o [rows, ...] in
+    batch.acc) and drive `step` (see `_drive`) over the state blocks, in parallel for big calls.
+
+    `build` runs inside the workers' scope (single-threaded torch ops: the blocks bring their own
+    parallelism). Returns (o [B, T, HV, V] in the input dtype, final_state or None[, all_states]).
+    """
+    check_state_args(batch.n_seq, batch.acc, batch.s0, state_indices, inplace_final_state,
+                     batch.q, batch.k, batch.v, batch.g, batch.beta, batch.s0)
+    _, hv, dk, dv = batch.dims
+    merge = _mergeable(batch, output_all_states, state_indices)
+    blocks = _blocks(batch, merge)
+    with _threads.scope(batch.q.shape[0] * hv * dk * dv, len(blocks)) as n_work:
+        step, o = build()
+        final, all_states = _drive(batch, step, blocks, merge, n_work=n_work, output_final_state=output_final_state,
+                                   output_all_states=output_all_states, inplace_final_state=inplace_final_state,
+                                   state_indices=state_indices)
+    out = (o.to(batch.dtype).view(batch.out_shape), final)
+    return out + (all_states,) if output_all_states else out
+
+
+def _drive(batch: FlatInputs, step: Callable, blocks: list, merge: bool, *, n_work: int, output_final_state: bool,
+           output_all_states: bool, inplace_final_state: bool, state_indices: torch.Tensor | None):
+    """Drive step(r0, r1, s_in, s_out) over the state blocks and tokens, on n_work workers.
 
     Rows r0..r1 index the flattened [tokens x HV] inputs (token t, value head h is row t * HV + h);
     `step` must compute their update from s_in [r1 - r0, K, V] into s_out (which may be s_in
@@ -67,8 +85,6 @@ def run(batch: Batch, step: Callable, *, n_work: int, output_final_state: bool, 
     """
     _, hv, dk, dv = batch.dims
     dev, acc = batch.q.device, batch.acc
-    merge = _mergeable(batch, output_all_states, state_indices)
-    blocks = _blocks(batch, merge)
     src = batch.s0
     seq_rows = list(range(batch.n_seq)) if state_indices is None else state_indices.tolist()
     if inplace_final_state:

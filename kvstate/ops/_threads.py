@@ -8,7 +8,7 @@ are independent (key-head groups, state blocks), and torch releases the GIL insi
 W Python threads with one torch thread each keep W cores busy (1.9x on 2 cores). Workers write
 into disjoint views of shared, preallocated outputs.
 
-Inside `plan`, the workers and the calling thread run torch single-threaded (OpenMP's and MKL's
+Inside `scope`, the workers and the calling thread run torch single-threaded (OpenMP's and MKL's
 thread counts are per thread); the caller's setting is restored when the call ends. MAX_WORKERS
 (default: torch's thread count) = 1 disables the workers; lowering MIN_WORK forces them on small
 inputs (tests do).
@@ -40,7 +40,7 @@ def workers(work: float, pieces: int) -> int:
 
 
 @contextmanager
-def plan(work: float, pieces: int, serial: bool = True):
+def scope(work: float, pieces: int, serial: bool = True):
     """Yields the number of workers for a call. With `serial`, the calling thread's torch ops run
     single-threaded for the duration (restored on exit): the op brings its own parallelism, and
     intra-op threads on its small ops only add wake-ups (on a loaded machine each parallel region
@@ -66,7 +66,7 @@ def _single_threaded(fn: Callable[[], object], inference: bool, grad: bool) -> o
 
 
 def run(tasks: list[Callable[[], object]]) -> list[object]:
-    """Run the tasks concurrently, one per worker thread (inside `plan`), results in order."""
+    """Run the tasks concurrently, one per worker thread (inside `scope`), results in order."""
     global _pool, _pool_size
     if len(tasks) <= 1:
         return [t() for t in tasks]

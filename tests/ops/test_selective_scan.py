@@ -94,12 +94,13 @@ def test_recurrent_equals_chunk():
 @pytest.mark.parametrize("budget,group,block", [(100, 1, 1), (2 * 768, 2, 1), (3 * 768 * 4, 3, 4)])
 def test_small_cache_budget_splits_sequences_and_blocks(monkeypatch, budget, group, block):
     """Small buffer budgets: blocks of fewer sequences and fewer tokens (what large shapes get)."""
-    import kvstate.ops.selective_scan.plan as plan
+    import kvstate.ops.selective_scan.inputs as inputs
     import kvstate.ops.selective_scan.recurrent as recurrent
+    from kvstate.ops._layout import scan_layout
 
-    monkeypatch.setattr(plan, "BUDGET", budget)
+    monkeypatch.setattr(inputs, "BUDGET", budget)
     monkeypatch.setattr(recurrent, "BUDGET", budget)
-    blocks = plan.make_plan([12, 12, 12], [0, 12, 24], 48 * 16).blocks
+    blocks = scan_layout([12, 12, 12], [0, 12, 24], 48 * 16, budget, inputs.MAX_BLOCK).blocks
     assert max(b.seqs for b in blocks) == group and max(b.length for b in blocks) == block
     args, kw = make(3, 12, 48, 16, groups=2, seed=14)
     y_ref, h_ref = naive_selective_scan(*args, **kw)

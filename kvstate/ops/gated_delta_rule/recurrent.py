@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvstate.ops import _recurrent_delta as drv
-from kvstate.ops._chunk_delta import normalize_qk, prepare
-from kvstate.ops._common import check_state_args, repeat_heads
+from kvstate.ops._common import repeat_heads
+from kvstate.ops._inputs import normalize_qk, prepare
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -28,12 +28,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
     """
     batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, pool=state_indices is not None)
-    check_state_args(batch.n_seq, batch.acc, initial_state, state_indices, inplace_final_state, q, k, v, g, beta, initial_state)
-    with drv.plan(batch, output_all_states, state_indices) as n_work:  # big calls: blocks over workers
+
+    def build():
         h, hv, dk, dv = batch.dims
         acc = batch.acc
-        qf, kf = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel)
-        qf = qf * batch.scale
+        qf, kf = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel, scale=batch.scale)
         # per (token, value head) row: k and scaled q [rows, 2, K], k . q [rows, 1]
         kq = repeat_heads(torch.stack([kf, qf], dim=2), hv, dim=1).flatten(0, 1)
         kdq = repeat_heads((kf * qf).sum(-1), hv, dim=1).reshape(-1, 1)
@@ -53,8 +52,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
             torch.addcmul(m[:, 1], kdq[r], u, out=o[r])  # S_new^T q
             s_out.baddbmm_(kq[r, 0].unsqueeze(-1), u.unsqueeze(1))  # S' + k u^T
 
-        final, all_states = drv.run(batch, step, n_work=n_work, output_final_state=output_final_state,
-                                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
-                                    state_indices=state_indices)
-    out = (o.to(batch.dtype).view(batch.out_shape), final)
-    return out + (all_states,) if output_all_states else out
+        return step, o
+
+    return drv.run(batch, build, output_final_state=output_final_state, output_all_states=output_all_states,
+                   inplace_final_state=inplace_final_state, state_indices=state_indices)

@@ -18,8 +18,8 @@ from functools import partial
 
 import torch
 
-from kvstate.ops._chunk_delta import (Batch, Carry, Output, blocks, decay_mask, gather, make_layout, needs_grad,
-                                      normalize_qk, prepare, run_split, sorted_initial, unsort_final)
+from kvstate.ops._chunk_delta import ChunkScan, decay_mask, needs_grad, run_split
+from kvstate.ops._inputs import FlatInputs, prepare
 
 BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
 
@@ -37,30 +37,22 @@ def chunk_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=N
     return run_split(batch, kernel, output_final_state=output_final_state, grad=grad)
 
 
-def chunk_gla(batch: Batch, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+def chunk_gla(batch: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
     """The kernel behind chunk_gated_linear_attention, chunk_linear_attention and chunk_ssd.
 
     Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    scan = ChunkScan(batch, chunk_size, grad, o_dst, s_dst)
     h, hv, dk, dv = batch.dims
-    grp, c, acc, dev = hv // h, chunk_size, batch.acc, batch.q.device
-    lay = make_layout(batch.lens, batch.starts, c, dev)
-    carry = Carry(sorted_initial(batch, lay, (hv, dk, dv)), lay, grad, s_dst)
-    out = Output(lay, batch.q.shape[0], hv, dv, batch.dtype, acc, dev, grad, o_dst)
-    for s0, s1, steps in blocks(lay, hv * c * max(dk, dv) * 4, BLOCK_BYTES):
-        n = s1 - s0
-        qc, kc = normalize_qk(gather(batch.q, lay, s0, s1, acc), gather(batch.k, lay, s0, s1, acc), acc, l2,
-                              inplace=not grad)
-        vc = gather(batch.v, lay, s0, s1, acc).view(n, h, grp, c, dv)
+    grp, c, acc, out = hv // h, chunk_size, batch.acc, scan.out
+    for s0, n, steps, qc, kc, vc in scan.blocks(BLOCK_BYTES, l2):
         qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
         if batch.g is None:
             attn = (qk * batch.scale).tril().expand(n, h, grp, c, c)
             qd = (qc * batch.scale).unsqueeze(2).expand(n, h, grp, c, dk)
             kd, dec = kc.unsqueeze(2).expand(n, h, grp, c, dk), None
         else:
-            b = gather(batch.g, lay, s0, s1, acc).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
+            b = scan.gather(batch.g, s0, n).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
             eb = b.exp()
             attn = (qk * batch.scale) * decay_mask(b)  # [n, H, G, C, C]
             qd = qc.unsqueeze(2) * (eb * batch.scale).unsqueeze(-1)  # [n, H, G, C, K]
@@ -84,8 +76,5 @@ def chunk_gla(batch: Batch, o_dst, s_dst, output_final_state: bool, *, l2: bool,
                 s.mul_(dec[hr])
             s.baddbmm_(kd_t, vr)
 
-        carry.run(s0, steps, step)
-    final = unsort_final(carry.final(), lay) if output_final_state else None
-    if s_dst is not None and final is not s_dst:
-        s_dst.copy_(final)
-    return out.result(), final
+        scan.carry.run(s0, steps, step)
+    return scan.result(output_final_state)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from kvstate.ops import _recurrent_delta as drv
-from kvstate.ops._chunk_delta import Batch, normalize_qk, prepare
-from kvstate.ops._common import check_state_args, repeat_heads
+from kvstate.ops._common import repeat_heads
+from kvstate.ops._inputs import normalize_qk, prepare
 
 
 def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
@@ -22,21 +22,13 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
     """
     batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False, pool=state_indices is not None)
-    check_state_args(batch.n_seq, batch.acc, initial_state, state_indices, inplace_final_state, q, k, v, g, initial_state)
-    return recurrent_gla(batch, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
-                         output_all_states=output_all_states, inplace_final_state=inplace_final_state,
-                         state_indices=state_indices)
 
-
-def recurrent_gla(batch: Batch, *, l2: bool, output_final_state: bool, output_all_states: bool,
-                  inplace_final_state: bool, state_indices):
-    """The kernel behind recurrent_gated_linear_attention, recurrent_linear_attention and recurrent_ssd."""
-    with drv.plan(batch, output_all_states, state_indices) as n_work:  # big calls: blocks over workers
+    def build():
         h, hv, dk, dv = batch.dims
         acc = batch.acc
-        qf, kf = normalize_qk(batch.q, batch.k, acc, l2)
+        qf, kf = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel, scale=batch.scale)
         # per (token, value head) row: scaled q [rows, 1, K], k [rows, K, 1], v [rows, 1, V]
-        qs = repeat_heads(qf * batch.scale, hv, dim=1).reshape(-1, 1, dk)
+        qs = repeat_heads(qf, hv, dim=1).reshape(-1, 1, dk)
         kc = repeat_heads(kf, hv, dim=1).reshape(-1, dk, 1)
         vr = batch.v.to(acc).reshape(-1, 1, dv)
         a = None if batch.g is None else batch.g.to(acc).exp().reshape(-1, 1, 1)  # [rows, 1, 1]
@@ -51,8 +43,7 @@ def recurrent_gla(batch: Batch, *, l2: bool, output_final_state: bool, output_al
             s_out.baddbmm_(kc[r], vr[r])  # + k v^T
             torch.bmm(qs[r], s_out, out=o[r])  # S^T q
 
-        final, all_states = drv.run(batch, step, n_work=n_work, output_final_state=output_final_state,
-                                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
-                                    state_indices=state_indices)
-    out = (o.to(batch.dtype).view(batch.out_shape), final)
-    return out + (all_states,) if output_all_states else out
+        return step, o
+
+    return drv.run(batch, build, output_final_state=output_final_state, output_all_states=output_all_states,
+                   inplace_final_state=inplace_final_state, state_indices=state_indices)

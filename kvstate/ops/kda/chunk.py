@@ -12,7 +12,7 @@ form; T comes from solve.py). Everything except U and the chunk states depends o
 inputs, so it is computed for a slab of chunks at once in batched matmuls; the sequential loop
 over chunks is batched matmuls over the heads (U, the outputs, the next state).
 
-Layout inside: one row per (chunk, value head), chunks step-major (layout.py), [R, C, D]. A slab
+Layout inside: one row per (chunk, value head), chunks step-major (kvstate/ops/_layout.py), [R, C, D]. A slab
 is a few MiB of such rows, so its temporaries stay in cache and are reused by the allocator
 (fresh pages of large temporaries cost more than the arithmetic on them).
 """
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.ops.kda._args import prepare
+from kvstate.ops._chunk_delta import needs_grad
+from kvstate.ops._inputs import FlatInputs, normalize_qk, prepare
+from kvstate.ops._layout import ChunkLayout, chunk_layout
 from kvstate.ops.kda.intra import SUB_CHUNK, intra_scores
-from kvstate.ops.kda.layout import chunk_layout
 from kvstate.ops.kda.solve import unit_lower_inverse
 
 
@@ -60,39 +61,31 @@ def _slab(q, k, v, g, beta, S, sizes, hv):
     return torch.cat(outs), S, done
 
 
-def _forward(x, q, k, v, g, beta, state, lens, c, floor):
-    """Flat tokens: raw q, k [tot, H, K]; v [tot, HV, V], g [tot, HV, K], beta [tot, HV] and
-    state [N, HV, K, V] in the compute dtype; lens [N] -> (o [tot, HV, V], final state).
+def _forward(x: FlatInputs, lay: ChunkLayout, v, g, beta, state, *, l2: bool, grad: bool, floor: bool):
+    """x: the flat inputs (raw q, k [tot, H, K]); v [tot, HV, V], g [tot, HV, K], beta [tot, HV] and
+    state [N, HV, K, V] in the compute dtype -> (o [tot, HV, V], final state [N, HV, K, V]).
     floor: clamp g at G_FLOOR (some g is below it, maybe -inf)."""
     tot, hv, dk = g.shape
-    dv = v.shape[-1]
-    lay = chunk_layout(lens, c, v.device)
+    dv, c = v.shape[-1], lay.chunk
     o = v.new_empty(tot + 1, hv, dv)  # row `tot` takes the padding positions
     S = state.index_select(0, lay.order).reshape(-1, dk, dv)  # [N * HV, K, V], rows in scan order
     heads = torch.arange(hv, device=v.device)[None, :, None]  # [1, HV, 1]
-    kheads = heads // (hv // q.shape[1])  # the key head serving each value head
+    kheads = heads // (hv // x.q.shape[1])  # the key head serving each value head
     done = []
-    per_slab = max(1, SLAB_ROWS // (hv * c))  # chunks per slab
-    j = 0
-    while j < lay.steps:
-        j1 = j + 1
-        while j1 < lay.steps and lay.offsets[j1 + 1] - lay.offsets[j] <= per_slab:
-            j1 += 1
-        rows = slice(lay.offsets[j], lay.offsets[j1])
-        tok, valid = lay.tokens[rows, None, :], lay.valid[rows, None, :]  # [chunks, 1, C]
-        # gathers straight into [chunks, HV, C, D] (key heads repeated on the way)
-        qs, ks = x.norm_qk(q[tok, kheads], k[tok, kheads])
+    for s0, s1, steps in lay.blocks(hv * c, SLAB_ROWS):  # a slab: steps of about SLAB_ROWS token-heads
+        tok, valid = lay.tok[s0:s1, None, :], lay.valid[s0:s1, None, :]  # [chunks, 1, C]
+        # gathers straight into [chunks, HV, C, D] (key heads repeated on the way): fresh tensors
+        qs, ks = normalize_qk(x.q[tok, kheads], x.k[tok, kheads], x.acc, l2, inplace=not grad, scale=x.scale)
         gs, bs = g[tok, heads], beta[tok, heads]
         if floor:
             gs = gs.clamp(min=G_FLOOR)
         if not bool(valid.all()):  # padding positions: g = 0, beta = 0 leave the state unchanged
             gs, bs = gs * valid[..., None], bs * valid
-        sizes = [(lay.offsets[i + 1] - lay.offsets[i], lay.active[i]) for i in range(j, j1)]
+        sizes = [(m, m) for _, m, _ in steps]  # each running sequence has one chunk per step
         ys = (y.flatten(0, 1) for y in (qs, ks, v[tok, heads], gs, bs))  # [chunks * HV, C, *D]
         o_slab, S, finished = _slab(*ys, S, sizes, hv)
         done += finished
         o.index_put_((torch.where(valid, tok, tot), heads), o_slab.view(-1, hv, c, dv))
-        j = j1
     final = torch.cat([S] + done[::-1]) if lay.steps else S  # rows in scan order
     inverse = torch.argsort(lay.order)
     return o[:tot], final.view(-1, hv, dk, dv).index_select(0, inverse)
@@ -108,13 +101,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     n_sub = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
     if n_sub <= 0 or n_sub * SUB_CHUNK != chunk_size or n_sub & (n_sub - 1):
         raise ValueError(f"chunk_size must be {SUB_CHUNK} times a power of two, got {chunk_size}")
-    x = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
-    lowest, highest = torch.aminmax(x.g) if x.g.numel() else (0.0, 0.0)
+    x = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                needs_beta=True, g_shape="channel")
+    acc, (_, hv, dk, dv) = x.acc, x.dims
+    gf = x.g.to(acc)
+    lowest, highest = torch.aminmax(gf) if gf.numel() else (0.0, 0.0)
     if highest > 0:
         raise ValueError("g must be <= 0 (a log-decay)")
-    b, t = x.v.shape[:2]
-    lens = torch.full((b,), t, dtype=torch.long) if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
-    flat = (y.reshape(b * t, *y.shape[2:]) for y in (x.q, x.k, x.v, x.g, x.beta))
-    o, final = _forward(x, *flat, x.zero_state(), lens.long(), chunk_size, floor=lowest < G_FLOOR)
-    return o.view(b, t, *o.shape[1:]).to(x.out_dtype), (final if output_final_state else None)
+    state = x.v.new_zeros(x.n_seq, hv, dk, dv, dtype=acc) if x.s0 is None else x.s0.to(acc)
+    lay = chunk_layout(x.lens, x.starts, chunk_size, x.v.device)
+    o, final = _forward(x, lay, x.v.to(acc), gf, x.beta.to(acc), state, l2=use_qk_l2norm_in_kernel,
+                        grad=needs_grad(q, k, v, g, beta, initial_state), floor=lowest < G_FLOOR)
+    return o.to(x.dtype).view(x.out_shape), (final if output_final_state else None)

@@ -2,16 +2,17 @@
 
 Same semantics and arguments as `naive_selective_scan` (mamba_ssm's `selective_scan_fn` names,
 token-first layouts). Batches and packed varlen batches go through one path: the tokens are
-viewed as packed rows and walked in cache-sized blocks over the live sequences (see plan.py and
-scan_fn.py for why a sequential scan beats a matmul form when the decay is per channel).
+viewed as packed rows and walked in cache-sized blocks over the live sequences, longest first
+(kvstate/ops/_layout.py `ScanLayout`); scan_fn.py says why a sequential scan beats a matmul form
+when the decay is per channel.
 """
 
 from __future__ import annotations
 
-from kvstate.ops.selective_scan.inputs import (
-    check_inputs, compute_dtype, discretize_dt, epilogue, grouped, initial,
-)
-from kvstate.ops.selective_scan.plan import make_plan
+from kvstate.ops import _layout
+from kvstate.ops._common import seq_bounds
+from kvstate.ops.selective_scan import inputs
+from kvstate.ops.selective_scan.inputs import check_inputs, compute_dtype, discretize_dt, epilogue, grouped, initial
 from kvstate.ops.selective_scan.scan_fn import selective_scan_packed
 
 
@@ -32,13 +33,10 @@ def chunk_selective_scan(u, delta, A, B, C, *, D=None, z=None, delta_bias=None, 
     x = dt * u.to(dtype).reshape(b * t, d)
     Bm = grouped(B).to(dtype).reshape(b * t, g, n)
     Cm = grouped(C).to(dtype).reshape(b * t, g, n)
-    if cu_seqlens is None:
-        lengths, starts = [t] * b, [i * t for i in range(b)]
-    else:
-        bounds = cu_seqlens.tolist()
-        lengths, starts = [e - s for s, e in zip(bounds[:-1], bounds[1:])], bounds[:-1]
-    plan = make_plan(lengths, starts, d * n, chunk_size, device=u.device)
+    starts, lens = seq_bounds(b, t, cu_seqlens)
+    # a sequence that ends inside a block is padded with dt = 0, x = 0: exp(0) = 1 keeps its state
+    lay = _layout.scan_layout(lens, starts, d * n, inputs.BUDGET, inputs.MAX_BLOCK, chunk_size, device=u.device)
     h0 = initial(initial_state, shape, dtype, u.device)
-    y, h = selective_scan_packed(dt, x, A.to(dtype), Bm, Cm, h0, plan)
+    y, h = selective_scan_packed(dt, x, A.to(dtype), Bm, Cm, h0, lay)
     y = epilogue(y.view(b, t, d), u, D, z, u.dtype)
     return y, (h if output_final_state else None)

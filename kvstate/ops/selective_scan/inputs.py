@@ -1,4 +1,4 @@
-"""Argument checks and the shared prologue/epilogue of the Mamba-1 selective scan forms.
+"""Argument checks, the shared prologue/epilogue and the cache budget of the Mamba-1 selective scan forms.
 
 Layouts (token-first, kvstate's convention; mamba_ssm's `selective_scan_fn` is channel-first):
 u, delta, z [B, T, D]; A [D, N]; B, C [B, T, N] or grouped [B, T, G, N] (channel d reads group
@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstate.ops._common import check, check_cu_seqlens, num_sequences
+from kvstate.ops._common import check, check_cu_seqlens, compute_dtype, num_sequences
+
+__all__ = ["BUDGET", "MAX_BLOCK", "ScanShape", "check_inputs", "compute_dtype", "discretize_dt", "epilogue",
+           "grouped", "initial"]
+
+BUDGET = 1 << 20  # elements per [l, k, D, N] work buffer (4 MiB in fp32); tuned by `kvstate bench ops`
+MAX_BLOCK = 64  # tokens per block of the fast scan
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,6 @@ def check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     if initial_state is not None:
         check("initial_state", initial_state, shape=(num_seqs, dim, n))
     return ScanShape(batch, seqlen, dim, n, groups, num_seqs)
-
-
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp64 if any input is fp64 (for exact references), else fp32 (never bf16 on CPU)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def discretize_dt(delta, delta_bias, delta_softplus: bool, dtype: torch.dtype) -> torch.Tensor:

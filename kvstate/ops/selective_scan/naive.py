@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstate.ops._common import seq_bounds
 from kvstate.ops.selective_scan.inputs import (
     check_inputs, compute_dtype, discretize_dt, epilogue, grouped, initial,
 )
@@ -34,8 +35,8 @@ def naive_selective_scan(u, delta, A, B, C, *, D=None, z=None, delta_bias=None, 
         y, h = _scan(dt, x, A, Bd, Cd, h0)
     else:
         ys, hs = [], []
-        bounds = cu_seqlens.tolist()
-        for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for i, (s, n) in enumerate(zip(*seq_bounds(1, dt.shape[1], cu_seqlens))):
+            e = s + n
             y_i, h_i = _scan(dt[:, s:e], x[:, s:e], A, Bd[:, s:e], Cd[:, s:e], h0[i : i + 1])
             ys.append(y_i)
             hs.append(h_i)

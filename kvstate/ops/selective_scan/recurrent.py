@@ -14,9 +14,8 @@ import torch
 
 from kvstate.ops._common import pack, unpack
 from kvstate.ops.selective_scan.inputs import (
-    check_inputs, compute_dtype, discretize_dt, epilogue, grouped, initial,
+    BUDGET, check_inputs, compute_dtype, discretize_dt, epilogue, grouped, initial,
 )
-from kvstate.ops.selective_scan.plan import BUDGET
 
 
 def recurrent_selective_scan(u, delta, A, B, C, *, D=None, z=None, delta_bias=None, delta_softplus=False,

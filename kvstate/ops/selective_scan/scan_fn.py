@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.ops.selective_scan.plan import Plan, gather, scatter
+from kvstate.ops._layout import ScanLayout, scan_gather, scan_scatter
 
 
 def _block_states(dt_c, x_c, A, B_c, h_start, a_buf, s_buf):
@@ -59,43 +59,43 @@ class SelectiveScanFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, dt, x, A, Bm, Cm, h0, plan: Plan, keep: bool):
+    def forward(ctx, dt, x, A, Bm, Cm, h0, lay: ScanLayout, keep: bool):
         dim, n = A.shape
         y = dt.new_empty(dt.shape)
-        h = h0.index_select(0, plan.order)  # [N_seq, D, N] in sorted order
-        size = max((b.length * b.seqs for b in plan.blocks), default=0) * dim * n
+        h = h0.index_select(0, lay.order)  # [N_seq, D, N] in sorted order
+        size = max((b.length * b.seqs for b in lay.blocks), default=0) * dim * n
         a_buf, s_buf = dt.new_empty(size), dt.new_empty(size)
         starts = []
-        for blk in plan.blocks:
+        for blk in lay.blocks:
             seqs = slice(blk.first, blk.first + blk.seqs)
             if keep:  # the state at each block start, for the backward's recomputation
                 starts.append(h[seqs].clone())
-            dt_c, x_c = gather(dt, blk), gather(x, blk)
-            a, s = _block_states(dt_c, x_c, A, gather(Bm, blk), h[seqs], a_buf, s_buf)
+            dt_c, x_c = scan_gather(dt, blk), scan_gather(x, blk)
+            a, s = _block_states(dt_c, x_c, A, scan_gather(Bm, blk), h[seqs], a_buf, s_buf)
             h[seqs] = s[-1]
-            scatter(y, _contract_n(s, gather(Cm, blk)), blk)
-        h_final = torch.empty_like(h).index_copy_(0, plan.order, h)
+            scan_scatter(y, _contract_n(s, scan_gather(Cm, blk)), blk)
+        h_final = torch.empty_like(h).index_copy_(0, lay.order, h)
         ctx.save_for_backward(dt, x, A, Bm, Cm)
-        ctx.plan, ctx.starts = plan, starts
+        ctx.lay, ctx.starts = lay, starts
         return y, h_final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, gh_final):
         dt, x, A, Bm, Cm = ctx.saved_tensors
-        plan: Plan = ctx.plan
+        lay: ScanLayout = ctx.lay
         dim, n = A.shape
         groups = Bm.shape[1]
         g_dt, g_x = torch.zeros_like(dt), torch.zeros_like(x)
         g_B, g_C = torch.zeros_like(Bm), torch.zeros_like(Cm)
         g_A = torch.zeros_like(A)
-        carry = gh_final.index_select(0, plan.order)  # dL/dh at the end of what is done so far
-        size = max((b.length * b.seqs for b in plan.blocks), default=0) * dim * n
+        carry = gh_final.index_select(0, lay.order)  # dL/dh at the end of what is done so far
+        size = max((b.length * b.seqs for b in lay.blocks), default=0) * dim * n
         a_buf, s_buf, g_buf = dt.new_empty(size), dt.new_empty(size), dt.new_empty(size)
-        for blk, h_start in zip(reversed(plan.blocks), reversed(ctx.starts)):
+        for blk, h_start in zip(reversed(lay.blocks), reversed(ctx.starts)):
             l, k, seqs = blk.length, blk.seqs, slice(blk.first, blk.first + blk.seqs)
-            dt_c, x_c, B_c, C_c = gather(dt, blk), gather(x, blk), gather(Bm, blk), gather(Cm, blk)
-            gy_c = gather(gy, blk)  # [l, k, D], zero on padding
+            dt_c, x_c, B_c, C_c = scan_gather(dt, blk), scan_gather(x, blk), scan_gather(Bm, blk), scan_gather(Cm, blk)
+            gy_c = scan_gather(gy, blk)  # [l, k, D], zero on padding
             a, s = _block_states(dt_c, x_c, A, B_c, h_start, a_buf, s_buf)
             # g_t = dL/dh_t = C_t gy_t + a_{t+1} g_{t+1}   [l, k, D, N]
             g = g_buf[: l * k * dim * n].view(l, k, groups, dim // groups, n)
@@ -104,22 +104,22 @@ class SelectiveScanFn(torch.autograd.Function):
             g[-1].add_(carry[seqs])
             for t in range(l - 2, -1, -1):
                 g[t].addcmul_(g[t + 1], a[t + 1])
-            scatter(g_C, _contract_d(s, gy_c, groups), blk)
-            scatter(g_B, _contract_d(g, x_c, groups), blk)
-            scatter(g_x, _contract_n(g, B_c), blk)
+            scan_scatter(g_C, _contract_d(s, gy_c, groups), blk)
+            scan_scatter(g_B, _contract_d(g, x_c, groups), blk)
+            scan_scatter(g_x, _contract_n(g, B_c), blk)
             q = a.mul_(g)  # a_t g_t = dL/dh_{t-1} through the decay
             carry[seqs] = q[0]
             q[1:].mul_(s[:-1])  # q_t = a_t g_t h_{t-1} = dL/d(dt_t A)
             q[0].mul_(h_start)
-            scatter(g_dt, torch.linalg.vecdot(q, A), blk)
+            scan_scatter(g_dt, torch.linalg.vecdot(q, A), blk)
             q.mul_(dt_c[..., None])
             g_A += q.sum(dim=(0, 1))
-        g_h0 = torch.empty_like(carry).index_copy_(0, plan.order, carry)
+        g_h0 = torch.empty_like(carry).index_copy_(0, lay.order, carry)
         return g_dt, g_x, g_A, g_B, g_C, g_h0, None, None
 
 
-def selective_scan_packed(dt, x, A, Bm, Cm, h0, plan: Plan):
+def selective_scan_packed(dt, x, A, Bm, Cm, h0, lay: ScanLayout):
     """Autograd-aware entry: see SelectiveScanFn."""
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (dt, x, A, Bm, Cm, h0))
-    return SelectiveScanFn.apply(dt, x, A, Bm, Cm, h0, plan, keep)
+    return SelectiveScanFn.apply(dt, x, A, Bm, Cm, h0, lay, keep)
 

@@ -12,8 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvstate.ops._chunk_delta import acc_dtype
-from kvstate.ops._common import check
+from kvstate.ops._common import check, compute_dtype
 
 
 def check_ssd(x, dt, A, B, C, D, z, dt_bias) -> None:
@@ -39,7 +38,7 @@ def check_ssd(x, dt, A, B, C, D, z, dt_bias) -> None:
 
 def discretize(x, dt, A, dt_bias, dt_softplus: bool, dt_limit) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dt [B, T, H], log decay dt * A [B, T, H]) in the accumulation dtype."""
-    acc = acc_dtype(x.dtype)
+    acc = compute_dtype(x)
     dt = dt.to(acc)
     if dt_bias is not None:
         dt = dt + dt_bias.to(acc)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvstate.ops._common import check, check_cu_seqlens
+from kvstate.ops._common import check, check_cu_seqlens, seq_bounds
 from kvstate.ops.ssd._args import check_ssd, discretize, finish
 
 
@@ -26,9 +26,9 @@ def naive_ssd(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     check_cu_seqlens(cu_seqlens, b, t)
-    bounds = [i * t for i in range(b + 1)] if cu_seqlens is None else cu_seqlens.tolist()
+    starts, lens = seq_bounds(b, t, cu_seqlens)
     if initial_state is not None:
-        check("initial_state", initial_state, shape=(len(bounds) - 1, h, n, p))
+        check("initial_state", initial_state, shape=(len(lens), h, n, p))
     dt, log_a = discretize(x, dt, A, dt_bias, dt_softplus, dt_limit)
     acc = dt.dtype
     xf = x.reshape(b * t, h, p).to(acc)
@@ -37,9 +37,9 @@ def naive_ssd(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False
     cf = C.reshape(b * t, g, n).to(acc).repeat_interleave(h // g, dim=1)
     y = torch.empty_like(xf)
     finals = []
-    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (s, length) in enumerate(zip(starts, lens)):
         st = torch.zeros(h, n, p, dtype=acc, device=x.device) if initial_state is None else initial_state[i].to(acc)
-        for j in range(s, e):
+        for j in range(s, s + length):
             st = laf[j].exp()[:, None, None] * st + dtf[j][:, None, None] * bf[j][:, :, None] * xf[j][:, None, :]
             y[j] = torch.einsum("hnp,hn->hp", st, cf[j])
         finals.append(st)
