@@ -1,182 +1,156 @@
-"""`LLM`: the offline engine API, named as in vLLM.
+"""`LLM`: the offline user API over the engine core, named as in vLLM.
 
     from kvstate import LLM, SamplingParams
-    llm = LLM("path/to/checkpoint", cache_memory="4GiB")
+    llm = LLM("path/to/checkpoint" or "org/name", cache_memory="4GiB")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hi"}], {"max_tokens": 32})
 
-One engine step is: schedule (torch-free), run the model on the packed batch, sample, and
-postprocess (append tokens, stop conditions, free blocks and slots). Requests that arrive while
-others run join the next step (continuous batching); long prompts are prefilled in chunks.
+It turns prompts (text, token ids, or {"prompt_token_ids": ...} dicts) and params (SamplingParams
+or dicts) into engine requests, one per sample, and routes what every `EngineCore.step()`
+returns to the collector of its prompt. Whichever `generate`/`stream` iterator steps the engine,
+every request's events reach their own iterator. A bad prompt or bad params fail that prompt
+alone (finish_reason "error", `error` says why); the others are served.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Iterator
 
-from kvstate.engine.outputs import RequestOutput, StreamEvent
+from kvstate.engine.collector import RequestCollector
+from kvstate.engine.core import EngineCore
+from kvstate.engine.outputs import EngineOutput, RequestOutput, StreamEvent
 from kvstate.engine.params import SamplingParams
-from kvstate.engine.scheduler import Scheduler, SchedulerConfig
-from kvstate.engine.sequence import Sequence
 from kvstate.errors import KvstateError
-
-DEFAULT_CACHE_FRACTION = 0.2  # of the memory available when no --cache-memory is given
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 8 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, load_progress=None):
-        import torch
-
-        from kvstate.engine.runner import ModelRunner
-        from kvstate.memory import parse_size
+        """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar)."""
+        from kvstate.hub import resolve_checkpoint
         from kvstate.models.loader import load_model
 
-        path = Path(model)
-        self.model, self.plan = load_model(path, progress=load_progress)  # progress(bytes_done, total): a bar
-        self.tokenizer = None
+        path = resolve_checkpoint(model)
+        module, plan = load_model(path, progress=load_progress)
+        tokenizer = None
         if (path / "tokenizer.json").exists():
             from kvstate.models.tokenizer import Tokenizer
 
-            self.tokenizer = Tokenizer(path)
-        limit = self.plan.max_position_embeddings or 1 << 20
-        max_model_len = min(max_model_len or limit, limit)
-        if isinstance(cache_memory, str):
-            cache_memory = parse_size(cache_memory, "--cache-memory")
-        if cache_memory is None:
-            from kvstate.cache.spec import cache_spec
-
-            spec = cache_spec(self.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
-            need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
-            cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()), need)
-        self.runner = ModelRunner(self.model, self.plan, cache_bytes=cache_memory, block_size=block_size,
-                                  num_slots=max_num_seqs, max_model_len=max_model_len, conv_window=conv_window)
-        sizes = self.runner.sizes
-        self.max_model_len = min(max_model_len, sizes.num_blocks * block_size)
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else set()
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=sizes.num_blocks, block_size=block_size, num_slots=sizes.num_slots,
-            max_model_len=self.max_model_len, vocab_size=self.plan.vocab_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos)),
-            detokenize=self.tokenizer.decode if self.tokenizer else None)
-        self._generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            tokenizer = Tokenizer(path)
+        self.engine = EngineCore(module, plan, tokenizer, cache_memory=cache_memory, block_size=block_size,
+                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=max_model_len, conv_window=conv_window, seed=seed)
+        self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
-        self.peak_cache_bytes = {"kv": 0, "state": 0}
+
+    # what the engine is made of (read-only views for the CLI, benchmarks and tests)
+    model = property(lambda self: self.engine.model)
+    plan = property(lambda self: self.engine.plan)
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    runner = property(lambda self: self.engine.runner)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    peak_cache_bytes = property(lambda self: self.engine.peak_cache_bytes)
 
     def cache_bytes_in_use(self) -> dict[str, int]:
-        """Bytes of the pools owned by running sequences now: KV blocks and state slots apart."""
-        sizes = self.runner.sizes
-        used_slots = sizes.num_slots - self.scheduler.slots.num_free_slots
-        return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes,
-                "state": used_slots * sizes.slot_bytes}
+        return self.engine.cache_bytes_in_use()
 
-    # -- requests -------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    # -- the API ---------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in the order given.
+        `sampling_params`: a SamplingParams or dict for all, or a list with one per prompt."""
+        return [ev.output for ev in self._run(self._submit(prompts, sampling_params)) if ev.finished]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
+        """Yield every new token of every request as it comes; each prompt's last event carries its
+        output. The closing events come in prompt order (one finishing early waits for those before
+        it). Closing the iterator early aborts its unfinished requests."""
+        return self._run(self._submit(prompts, sampling_params))
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
+        them, rendered with the checkpoint's chat template (its special tokens are in the text)."""
+        if self.tokenizer is None:
+            raise KvstateError("this checkpoint has no tokenizer.json: chat needs its chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    # -- requests in -----------------------------------------------------------------------------
+    def _submit(self, prompts, sampling_params) -> list[RequestCollector]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise KvstateError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        collectors = []
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
+            request_id = next(self._ids)
+            try:
+                sp = SamplingParams.coerce(p)
+                text, ids = self._prompt(prompt)
+            except KvstateError as exc:
+                collectors.append(RequestCollector.failed(index, request_id, prompt, str(exc)))
+                continue
+            collector = RequestCollector(index, request_id, text, ids, sp.n)
+            for k in range(sp.n):
+                child = request_id if sp.n == 1 else (request_id, k)
+                self._routes[child] = (collector, k)
+                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k))
+            collectors.append(collector)
+        return collectors
+
+    def _prompt(self, prompt) -> tuple[str | None, object]:
+        """(prompt text or None, token ids as given: the scheduler checks them one by one)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), prompt["prompt_token_ids"]
+            prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise KvstateError("this checkpoint has no tokenizer.json: give prompts as lists of token ids")
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise KvstateError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__} ({prompt!r:.40})")
 
-    def _add(self, prompts, params) -> list[tuple[str | None, Sequence]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise KvstateError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        added = []
-        for prompt, p in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
-            added.append((text, self.scheduler.add(next(self._ids), ids, p or SamplingParams())))
-        return added
+    # -- outputs out -----------------------------------------------------------------------------
+    def _step(self) -> list[EngineOutput]:
+        """One engine step; every output goes to the collector of its request."""
+        outs = self.engine.step()
+        for out in outs:
+            route = self._routes.get(out.request_id)
+            if route is None:  # a request of a closed stream (aborted) or added to the engine directly
+                continue
+            route[0].put(out, route[1])
+            if out.finished:
+                del self._routes[out.request_id]
+        return outs
 
-    def add_request(self, prompt, params: SamplingParams | None = None) -> Sequence:
-        """Queue one request; it joins the running batch at the next step."""
-        return self._add([prompt], [params])[0][1]
-
-    # -- stepping -------------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished (or were rejected) in it."""
-        from kvstate.engine.sampling import request_generators, sample
-
-        plan = self.scheduler.schedule()
-        self.runner.copy_slots(self.scheduler.slots.take_copies())
-        if plan.is_empty:
-            if not self.scheduler.running and self.scheduler.waiting:
-                raise KvstateError("the cache pools cannot hold the next waiting request (raise --cache-memory)")
-            return self.scheduler.postprocess(plan, [])
-        logits = self.runner.run(plan)
-        for key, used in self.cache_bytes_in_use().items():
-            self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
-        seqs = plan.sample_seqs()
-        out = sample(logits, plan.sample_params(), request_generators(seqs), generator=self._generator)
-        want = any(s.params.logprobs is not None for s in seqs)
-        logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
-        return self.scheduler.postprocess(plan, out.token_ids, logprobs)
-
-    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
-        decoded = seq.output_text
-        if decoded is None:
-            decoded = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
-        return RequestOutput(request_id=seq.request_id, prompt=text, prompt_token_ids=seq.prompt_token_ids,
-                             token_ids=list(seq.output_token_ids), text=decoded, finish_reason=seq.finish_reason,
-                             stop_reason=seq.stop_reason, error=seq.error,
-                             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                             metrics=seq.metrics())
-
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in the order given."""
-        events = self._events(prompts, sampling_params, text_deltas=False)
-        return [event.output for event in events if event.finished]
-
-    def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
-        """Yield every new token of every request as it comes; each request's last event carries its output.
-
-        The final outputs come in prompt order (a request finishing early waits for those before it).
-        """
-        return self._events(prompts, sampling_params, text_deltas=True)
-
-    def _events(self, prompts, sampling_params, *, text_deltas: bool) -> Iterator[StreamEvent]:
-        """The event loop behind stream and generate; `text_deltas` decodes each new token's text
-        (generate skips it: the whole output is decoded once at the end)."""
-        added = self._add(prompts, sampling_params)
-        index = {id(seq): i for i, (_, seq) in enumerate(added)}
-        seen = [0] * len(added)
-        texts = [""] * len(added)
-        outputs: dict[int, RequestOutput] = {}
-        next_out = 0
-        while next_out < len(added):
-            finished = self.step() if self.scheduler.has_work() else []
-            for text, seq in added:
-                i = index[id(seq)]
-                for token in seq.output_token_ids[seen[i]:]:
-                    seen[i] += 1
-                    delta = ""
-                    if text_deltas and self.tokenizer is not None:
-                        full = self.tokenizer.decode(seq.output_token_ids[: seen[i]])
-                        if not full.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                            delta, texts[i] = full[len(texts[i]):], full
-                    yield StreamEvent(i, token, delta, False)
-            for seq in finished:
-                if id(seq) in index:
-                    outputs[index[id(seq)]] = self._output(added[index[id(seq)]][0], seq)
-            while next_out in outputs:
-                out = outputs.pop(next_out)
-                yield StreamEvent(next_out, None, "", True, out)
-                next_out += 1
+    def _run(self, collectors: list[RequestCollector]) -> Iterator[StreamEvent]:
+        try:
+            next_final = 0
+            while next_final < len(collectors):
+                for c in collectors:
+                    while c.events:
+                        yield c.events.popleft()
+                while next_final < len(collectors) and collectors[next_final].done:
+                    c = collectors[next_final]
+                    yield StreamEvent(c.index, None, "", True, c.output)
+                    next_final += 1
+                if next_final < len(collectors):
+                    if not self.engine.has_unfinished():
+                        raise RuntimeError("requests are unfinished but the engine has nothing left to run")
+                    self._step()
+        finally:  # closed early (or failed): stop what is still running for this caller
+            for child, (c, _) in list(self._routes.items()):
+                if any(c is mine for mine in collectors):
+                    self.engine.abort_request(child)
+                    del self._routes[child]

@@ -12,16 +12,22 @@ Field names and meanings follow vLLM's `SamplingParams`, which users already kno
     max_tokens      most tokens to generate (None = up to the model's maximum length)
     ignore_eos      keep generating past the end-of-sequence token
     logprobs        None = none; n >= 0 = the chosen token's logprob plus the n most likely
+    n               samples per prompt (sample k uses seed + k when a seed is given, as vLLM)
+    presence_penalty    subtract it from the logit of every token already in the output
+    frequency_penalty   subtract it times the token's count in the output
+    repetition_penalty  tokens in the prompt or output: logit / p if positive, logit * p if not
+                        (transformers' RepetitionPenaltyLogitsProcessor); 1 = off
 
-Filters run in vLLM's order: temperature, min_p, top_k, top_p. Invalid values raise
-KvstateError (a ValueError) naming the field.
+Penalties act on the raw logits (greedy rows too), then filters run in vLLM's order:
+temperature, min_p, top_k, top_p. Invalid values raise KvstateError (a ValueError) naming the
+field. `SamplingParams.coerce` also takes a dict of fields (or None for the defaults).
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from kvstate.errors import KvstateError
 
@@ -60,6 +66,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,7 +105,37 @@ class SamplingParams:
         self.logprobs = _int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and self.logprobs < 0:
             raise KvstateError(f"SamplingParams.logprobs must be >= 0 (or None), got {self.logprobs}")
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise KvstateError(f"SamplingParams.n must be >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise KvstateError(f"SamplingParams.{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise KvstateError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         return self
+
+    @classmethod
+    def coerce(cls, value) -> "SamplingParams":
+        """A SamplingParams from itself (validated again), a dict of its fields, or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value.validate()
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(str(k) for k in value if k not in known)
+            if unknown:
+                raise KvstateError(f"SamplingParams has no field {unknown[0]!r}")
+            return cls(**value)
+        raise KvstateError(f"sampling params must be SamplingParams or a dict, got {type(value).__name__}")
+
+    def for_sample(self, k: int) -> "SamplingParams":
+        """The params of sample k of n: one sample, seed + k when seeded (vLLM's rule)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + k)
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:
@@ -118,3 +158,8 @@ class SamplingParams:
     def filters(self) -> bool:
         """Whether any of min_p, top_k, top_p changes the distribution."""
         return self.min_p > 0 or self.top_k > 0 or self.top_p < 1
+
+    @property
+    def penalties(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -1,11 +1,12 @@
-"""The model runner: owns the model and its cache pools, and runs one scheduled step.
+"""The model runner: owns the model, its cache pools and the sampling state, and runs one scheduled step.
 
 Pools are allocated once, from the memory planner's cache spec (`kvstate.cache.spec`) and the
-budget split of `pool_sizes`, so the bytes they hold are the planner's prediction. A step turns
-the scheduler's host lists into a packed `Batch` (cu_seqlens, block tables, slot ids, slot
-mapping), runs the model (prefill chunks through the chunk ops, all-decode steps through the
-recurrent ops and paged attention; each layer writes its states back to its slots) and returns
-the logits rows that must be sampled.
+budget split of `pool_sizes`, so the bytes they hold are the planner's prediction. `execute`
+takes the scheduler's `SchedulerOutput`: it drops the generators of requests that finished,
+carries out the queued state-slot copies, turns the host lists into a packed `Batch` (cu_seqlens,
+block tables, KV indices, state slots, each entry's prefill or decode mode), runs the model (each
+linear layer writes its states back to its slots) on the rows that must be sampled only, and
+samples them with each request's params, penalties and seeded generator.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 from kvstate.cache.pools import LayerCache, allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
+from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
 from kvstate.models.batch import Batch
 
 
 class ModelRunner:
     def __init__(self, model, plan, *, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
-                 conv_window: str = "kernel"):
+                 conv_window: str = "kernel", seed: int | None = None):
         self.model, self.plan, self.block_size = model, plan, block_size
         self.spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
                                conv_window=conv_window)
@@ -29,6 +31,9 @@ class ModelRunner:
                                 max_model_len=max_model_len)
         self.caches: list[LayerCache] = allocate_pools(self.spec, num_blocks=self.sizes.num_blocks,
                                                        block_size=block_size, num_slots=num_slots, device=model.device)
+        # sampling state: seeded requests' generators by request id; the others share `generator`
+        self.generators = RequestGenerators(model.device)
+        self.generator = None if seed is None else torch.Generator(model.device).manual_seed(seed)
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -38,7 +43,7 @@ class ModelRunner:
         return {"kv": kv, "state": state}
 
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole state slots (src -> dst) in every linear layer (snapshots for later features)."""
+        """Copy whole state slots (src -> dst) in every linear layer."""
         for src, dst in copies:
             for c in self.caches:
                 for t in (c.state, c.conv):
@@ -47,8 +52,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step) -> torch.Tensor:
-        """Run a StepPlan; returns logits [len(step.sample_indices), vocab] (fp32)."""
+        """Run a SchedulerOutput's forward; returns logits [len(step.sample_indices), vocab] (fp32)."""
         device = self.model.device
         batch = Batch.build(**step.batch_args(), sample_rows=step.sample_indices, device=device)
         ids = torch.tensor(step.input_ids(), dtype=torch.int64, device=device)
         return self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
+
+    def execute(self, step) -> SampleOutput:
+        """One scheduled step: drop the sampling state of finished requests, carry out the state-slot
+        copies, run the forward, and sample one token per entry that caught up (`step.sample_indices`)."""
+        self.generators.drop(step.finished_request_ids)
+        self.copy_slots(step.slot_copies)
+        if step.is_empty:
+            return SampleOutput([], [], [])
+        logits = self.run(step)
+        seqs, params = step.sample_seqs(), step.sample_params()
+        history = None
+        if any(p.penalties for p in params):
+            history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
+        gens = self.generators.get([s.request_id for s in seqs], params)
+        return sample(logits, params, gens, generator=self.generator, history=history)

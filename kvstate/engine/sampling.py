@@ -1,7 +1,7 @@
 """The batched sampler: one row of logits per request, each with its own SamplingParams.
 
-Per row, as vLLM does: greedy rows (temperature < 1e-5) take the argmax of the raw logits;
-the others are divided by their temperature, filtered by min_p, top_k, then top_p (each only
+Per row, as vLLM does: penalties first (`kvstate.engine.penalties`, rows that ask for them);
+then greedy rows (temperature < 1e-5) take the argmax; the others are divided by their temperature, filtered by min_p, top_k, then top_p (each only
 where that row asks for it), and sampled from the softmax of what is left by inverse CDF: one
 uniform number per row, found in the row's cumulative probabilities. A row with a seed draws
 that number from its own generator, so its tokens do not depend on the rows around it or on
@@ -11,6 +11,9 @@ candidates; otherwise top_p looks at the `topk` 1024 most likely tokens, falling
 sort only for rows whose candidates hold less than top_p of the mass. Logprobs, when asked for, are
 those of the raw model distribution (vLLM's default "raw_logprobs"): the chosen token's plus
 the top n.
+
+The seeded generators are per-request state: `RequestGenerators` (owned by the runner) keeps one
+per request id from its first sampled token until the request finishes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstate.engine.params import SamplingParams
+from kvstate.engine.penalties import apply_penalties
 
 
 @dataclass
@@ -35,14 +39,32 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return g
 
 
-def request_generators(seqs, device: torch.device | str = "cpu") -> list[torch.Generator | None]:
-    """Each sequence's generator (made from its seed on first use, kept on the sequence)."""
-    out = []
-    for seq in seqs:
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = make_generator(seq.params.seed, device)
-        out.append(seq.generator)
-    return out
+class RequestGenerators:
+    """The seeded requests' generators, keyed by request id: made from the seed on first use,
+    advanced by every token sampled, dropped when the request finishes."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
+        self._by_id: dict[object, torch.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, request_ids: list, params: list[SamplingParams]) -> list[torch.Generator | None]:
+        """One entry per row: the request's generator, or None for an unseeded request."""
+        out = []
+        for rid, p in zip(request_ids, params):
+            if p.seed is None:
+                out.append(None)
+                continue
+            if rid not in self._by_id:
+                self._by_id[rid] = make_generator(p.seed, self.device)
+            out.append(self._by_id[rid])
+        return out
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self._by_id.pop(rid, None)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -136,20 +158,26 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list | None = None, *,
-           generator: torch.Generator | None = None) -> SampleOutput:
+           generator: torch.Generator | None = None, history: tuple[list, list] | None = None) -> SampleOutput:
     """One token per row of logits [B, V]. `generators[i]`: row i's own generator (or None);
-    `generator`: the one shared by the other rows (None = torch's global generator)."""
+    `generator`: the one shared by the other rows (None = torch's global generator);
+    `history`: (prompt ids, output ids) per row, needed when a row has penalties."""
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits must be [len(params), vocab], got {tuple(logits.shape)} for {len(params)} params")
     generators = [None] * len(params) if generators is None else list(generators)
     if len(generators) != len(params):
         raise ValueError(f"generators must have one entry per row, got {len(generators)} for {len(params)}")
     raw = logits.float()
-    tokens = raw.argmax(dim=-1)  # [B]; first maximum on ties
+    scores = raw  # what greedy and sampling see: raw logits after the penalties
+    if any(p.penalties for p in params):
+        if history is None:
+            raise ValueError("penalties need the prompt and output ids of every row (history)")
+        scores = apply_penalties(raw, params, *history)
+    tokens = scores.argmax(dim=-1)  # [B]; first maximum on ties
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         sub = [params[i] for i in rows]
-        x, cand = raw[rows], None
+        x, cand = scores[rows], None
         top_k = [p.top_k for p in sub]
         if min(top_k) > 0 and max(top_k) < x.shape[-1]:
             # every row keeps only tokens among its top k: filter and sample there, exactly the

@@ -1,6 +1,6 @@
 """Continuous batching with chunked prefill over paged KV blocks and state slots (no torch).
 
-One engine step is `plan = schedule()`, run the model on the plan, `postprocess(plan, tokens)`.
+One engine step is `step = schedule()`, run the model on it, `postprocess(step, tokens)`.
 Requests wait in a FIFO queue; running sequences are kept in admission order. `schedule()`
 spends a budget of `max_num_batched_tokens` tokens in this order:
 
@@ -22,10 +22,13 @@ The scheduler decides token counts only: chunked prefill works because the runne
 state slot from chunk to chunk.
 
 `postprocess` appends sampled tokens and finishes sequences on: eos (unless ignore_eos),
-stop_token_ids, stop strings (through the `detokenize` callable the LLM passes in), max_tokens,
-or the model's maximum length; their blocks and slot go back to the pools. Malformed or
+stop_token_ids, stop strings, max_tokens, or the model's maximum length; their blocks and slot
+go back to the pools. With a `detokenize` callable (token ids -> text) every sequence gets an
+incremental detokenizer that decodes each new token once and finds stop strings. Malformed or
 oversized requests are rejected at `add` (status REJECTED, `error` set) and reported by the next
-`postprocess` with the finished ones; the others keep running.
+`postprocess` with the finished ones; the others keep running. The next `schedule()` carries
+the ids of the finished requests (the runner drops their sampling state) and the queued
+state-slot copies.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
+from kvstate.engine.detokenizer import IncrementalDetokenizer
 from kvstate.engine.params import SamplingParams
-from kvstate.engine.plan import StepPlan
+from kvstate.engine.scheduler_output import SchedulerOutput
 from kvstate.engine.sequence import Sequence, SequenceStatus
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
@@ -71,13 +75,14 @@ class Scheduler:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.slots = SlotManager(config.num_slots)
-        self.detokenize = detokenize  # output token ids -> text, needed only for stop strings
+        self.detokenize = detokenize  # token ids -> text: output text and stop strings
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self._live: dict[object, Sequence] = {}  # request id -> waiting or running sequence
         self._outbox: list[Sequence] = []  # finished or rejected since the last postprocess
-        self._pending: StepPlan | None = None
+        self._finished_ids: list[object] = []  # finished since the last schedule (for the runner)
+        self._pending: SchedulerOutput | None = None
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
@@ -91,6 +96,8 @@ class Scheduler:
             seq.status, seq.finish_reason, seq.error, seq.finished_time = SequenceStatus.REJECTED, "error", error, now
             self._outbox.append(seq)
             return seq
+        if self.detokenize is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.detokenize, params.stop)
         self._live[request_id] = seq
         self.waiting.append(seq)
         return seq
@@ -145,31 +152,34 @@ class Scheduler:
         if need > cfg.num_blocks:
             return tokens, (f"prompt plus max_tokens needs up to {need} KV blocks of {cfg.block_size} tokens; "
                             f"the cache pool holds {cfg.num_blocks}")
+        outside = [t for t in params.stop_token_ids if t >= cfg.vocab_size]
+        if outside:
+            return tokens, f"stop_token_ids {outside} are outside the vocabulary [0, {cfg.vocab_size})"
         if params.stop and self.detokenize is None:
             return tokens, "stop strings need a detokenizer, and none was given to the scheduler"
         return tokens, None
 
     # scheduling ----------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
         """Choose this step's (sequence, num_tokens) entries; see the module docstring for the policy."""
         if self._pending is not None:
-            raise RuntimeError("schedule() called before postprocess() of the previous plan")
+            raise RuntimeError("schedule() called before postprocess() of the previous step")
         cfg, now = self.config, self.clock()
-        plan = StepPlan(cfg.block_size)
+        step = SchedulerOutput(cfg.block_size)
         budget = cfg.max_num_batched_tokens
-        scheduled: set[Sequence] = set()  # the sequences in the plan
+        scheduled: set[Sequence] = set()  # the sequences in this step
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
                     break
                 if seq.status is not RUNNING or seq in scheduled or (seq.num_remaining_tokens == 1) != decodes:
                     continue
-                n = self._fit(seq, min(seq.num_remaining_tokens, budget), scheduled, plan, preempt_self=decodes)
+                n = self._fit(seq, min(seq.num_remaining_tokens, budget), scheduled, step, preempt_self=decodes)
                 if n:
-                    plan.add(seq, n)
+                    step.add(seq, n)
                     scheduled.add(seq)
                     budget -= n
-        while (not plan.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
+        while (not step.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
                and self.slots.can_allocate()):
             seq = self.waiting[0]
             n = min(seq.num_remaining_tokens, budget)
@@ -182,19 +192,22 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            plan.add(seq, n)
+            step.add(seq, n)
             scheduled.add(seq)
             budget -= n
-        self._pending = plan
-        return plan
+        step.slot_copies = self.slots.take_copies()
+        step.finished_request_ids, self._finished_ids = self._finished_ids, []
+        self._pending = step
+        return step
 
-    def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], plan: StepPlan, *, preempt_self: bool) -> int:
+    def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
+             preempt_self: bool) -> int:
         """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
         while self.blocks.capacity(seq.block_table) <= seq.num_computed_tokens:
             victim = self._victim(seq, scheduled, preempt_self)
             if victim is None:
                 return 0
-            self._preempt(victim, plan)
+            self._preempt(victim, step)
             if victim is seq:
                 return 0
         n = min(n, self.blocks.capacity(seq.block_table) - seq.num_computed_tokens)
@@ -211,13 +224,13 @@ class Scheduler:
                 return cand
         return None
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: Sequence, step: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-        plan.preempted.append(seq)
+        step.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
@@ -227,18 +240,19 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     # results -------------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+    def postprocess(self, step: SchedulerOutput, token_ids: list[int], logprobs: list | None = None
+                    ) -> list[Sequence]:
         """Record a step: `token_ids[j]` (and `logprobs[j]`) is the token sampled for entry
-        `plan.sample_indices[j]`. Returns the sequences finished or rejected since the last call."""
-        if plan is not self._pending:
-            raise RuntimeError("postprocess() got a plan that is not the one last scheduled")
-        rows = plan.sample_indices
+        `step.sample_indices[j]`. Returns the sequences finished or rejected since the last call."""
+        if step is not self._pending:
+            raise RuntimeError("postprocess() got a step that is not the one last scheduled")
+        rows = step.sample_indices
         if len(token_ids) != len(rows) or (logprobs is not None and len(logprobs) != len(rows)):
-            raise ValueError(f"expected {len(rows)} sampled tokens (plan.sample_indices), got {len(token_ids)}")
+            raise ValueError(f"expected {len(rows)} sampled tokens (step.sample_indices), got {len(token_ids)}")
         self._pending = None
         now = self.clock()
         sampled = dict(zip(rows, range(len(rows))))
-        for i, (seq, n) in enumerate(plan.entries):
+        for i, (seq, n) in enumerate(step.entries):
             if seq.status is not RUNNING:  # aborted after scheduling
                 continue
             seq.num_computed_tokens += n
@@ -264,14 +278,8 @@ class Scheduler:
             return "stop", None
         if token in p.stop_token_ids:
             return "stop", token
-        if p.stop:
-            text = self.detokenize(seq.output_token_ids)
-            hits = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
-            seq.output_text = text
-            if hits:
-                at, s = min(hits, key=lambda h: h[0])
-                seq.output_text = text[:at]
-                return "stop", s
+        if seq.detokenizer is not None and (s := seq.detokenizer.add(token)) is not None:
+            return "stop", s  # a token that ends the output by id (above) adds no text, as in vLLM
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
         if seq.num_tokens >= self.config.max_model_len:
@@ -284,5 +292,8 @@ class Scheduler:
             self._release(seq)
         seq.status, seq.finish_reason, seq.stop_reason, seq.finished_time = (
             SequenceStatus.FINISHED, reason, stop_reason, now)
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
         self._live.pop(seq.request_id, None)
+        self._finished_ids.append(seq.request_id)
         self._outbox.append(seq)

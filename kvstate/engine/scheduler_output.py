@@ -1,18 +1,18 @@
-"""A step plan: which sequences compute how many tokens this step, as host lists (no torch).
+"""What the scheduler decides for one step, as host lists (no torch): the runner's whole input.
 
-The scheduler fills it; the runner turns it into a forward pass:
+    step = scheduler.schedule()
+    out = runner.execute(step)           # drop finished requests' sampling state, copy state
+                                         # slots, Batch.build(**step.batch_args()), model, sample
+    finished = scheduler.postprocess(step, out.token_ids)
 
-    plan = scheduler.schedule()
-    batch = Batch.build(**plan.batch_args())               # kvstate.models.batch
-    logits = model(torch.tensor(plan.input_ids()), batch, caches)   # [len(plan), vocab]
-    rows = logits[plan.sample_indices]                     # only the sequences that caught up
-    tokens = sample(rows, plan.sample_params(), ...)
-    finished = scheduler.postprocess(plan, tokens)
-
-Every entry computes at least one token, so with `logits="last"` logits row i belongs to entry
-i. Only entries whose cache catches up with their known tokens this step (`samples[i]`) get a
-new token; a prompt chunk in the middle of a chunked prefill does not, and its logits row must
+Every entry computes at least one token, so with one logits row per entry, row i belongs to
+entry i. Only entries whose cache catches up with their known tokens this step (`samples[i]`)
+get a new token; a prompt chunk in the middle of a chunked prefill does not, and its row must
 not be sampled (a seeded generator would drift with the chunking).
+
+Besides the entries the step carries the work the runner does on the pools and its own state
+before the forward: state-slot copies (`slot_copies`, src -> dst, in order) and the requests
+finished since the last step (`finished_request_ids`), whose sampling state it drops.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvstate.engine.sequence import Sequence
 
 
 @dataclass
-class StepPlan:
+class SchedulerOutput:
     block_size: int
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
@@ -33,6 +33,8 @@ class StepPlan:
     state_slots: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)  # entry gets a new token after this step
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting by this step
+    slot_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    finished_request_ids: list[object] = field(default_factory=list)  # since the previous step
 
     def add(self, seq: Sequence, n: int) -> None:
         assert n >= 1 and seq.state_slot is not None, (n, seq.state_slot)
@@ -61,7 +63,7 @@ class StepPlan:
 
     @property
     def sample_indices(self) -> list[int]:
-        """Entries (= logits rows with logits="last") whose next token must be sampled."""
+        """Entries (= logits rows, one per entry) whose next token must be sampled."""
         return [i for i, s in enumerate(self.samples) if s]
 
     def sample_params(self) -> list[SamplingParams]:
@@ -71,7 +73,7 @@ class StepPlan:
         return [self.seqs[i] for i in self.sample_indices]
 
     def batch_args(self) -> dict:
-        """Keyword arguments of `Batch.build` for this step (logits="last" is its default)."""
+        """Keyword arguments of `Batch.build` for this step."""
         return {"query_lens": list(self.num_tokens), "context_lens": list(self.context_lens),
                 "state_slots": list(self.state_slots), "block_tables": [list(t) for t in self.block_tables],
                 "block_size": self.block_size}

@@ -5,6 +5,8 @@ plus outputs) of which `num_computed_tokens` are already in its cache (KV blocks
 Each step computes some of the rest; when it catches up, the last logits give the next token.
 A prompt prefilled in chunks, a decode step, and the recompute after a preemption (everything
 dropped, `num_computed_tokens` back to 0, prompt and outputs prefilled again) are the same rule.
+What a request's sampling needs beyond its params (a seeded random generator) is the runner's,
+keyed by request id; text is its `detokenizer`'s (incremental, with the stop strings).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvstate.engine.detokenizer import IncrementalDetokenizer
 from kvstate.engine.params import SamplingParams
 
 
@@ -36,19 +39,14 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the request was rejected
-    output_text: str | None = None  # set when stop strings are checked (text before the stop)
     output_logprobs: list = field(default_factory=list)  # what the sampler returned per token
-    generator: object | None = None  # the runner's per-request RNG (opaque here: torch-free)
+    detokenizer: IncrementalDetokenizer | None = None  # set by the scheduler when it has a decoder
     # metrics (clock of the scheduler)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,8 +79,9 @@ class Sequence:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def output_text(self) -> str | None:
+        """The output decoded so far (ending before the stop string that ended it); None without a decoder."""
+        return None if self.detokenizer is None else self.detokenizer.text
 
     # metrics -----------------------------------------------------------------------------
     @property

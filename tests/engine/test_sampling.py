@@ -18,12 +18,11 @@ from kvstate.engine.sampling import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    RequestGenerators,
     make_generator,
     process_logits,
-    request_generators,
     sample,
 )
-from kvstate.engine.sequence import Sequence
 from kvstate.errors import KvstateError
 
 
@@ -126,8 +125,9 @@ def test_seeded_rows_reproduce_whatever_the_batch_around_them():
     free = SamplingParams(temperature=1.0)
 
     def draws(rows, params, steps=6):
-        seqs = [Sequence(i, [1], p) for i, p in enumerate(params)]
-        return [sample(rows, params, request_generators(seqs)).token_ids for _ in range(steps)]
+        gens = RequestGenerators()  # the runner's: one generator per seeded request id, kept across steps
+        ids = list(range(len(params)))
+        return [sample(rows, params, gens.get(ids, params)).token_ids for _ in range(steps)]
 
     alone = [d[0] for d in draws(x[:1], [seeded])]
     with_others = [d[1] for d in draws(x[[1, 0, 2]], [free, seeded, free])]

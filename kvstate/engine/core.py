@@ -1,0 +1,163 @@
+"""The engine core: requests in, one step at a time, the news of every request out.
+
+    core = EngineCore(model, plan, tokenizer, cache_memory=..., max_model_len=...)
+    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    while core.has_unfinished():
+        for out in core.step():          # EngineOutput per request that changed in this step
+            ...                          # out.token_ids, out.text, out.finished, out.output
+
+`step()` is schedule (torch-free), execute (the runner: slot copies, forward, sampling with
+per-request state), postprocess (append, stop checks, free blocks and slots), and it returns
+the new output of EVERY request that changed, whoever asked for it: the offline `LLM` routes
+them to its per-request collectors, a server's loop to its connections. The core holds no
+user-API state (prompt texts, n-sample grouping, stream iterators).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
+from kvstate.engine.params import SamplingParams
+from kvstate.engine.scheduler import Scheduler, SchedulerConfig
+from kvstate.engine.sequence import Sequence
+from kvstate.errors import KvstateError
+
+DEFAULT_CACHE_FRACTION = 0.2  # of the memory available when no cache budget is given
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def check_max_model_len(value, limit: int | None) -> int:
+    """The max_model_len asked for, checked as vLLM checks it; `limit` is the model's
+    max_position_embeddings (None: the model has no limit). None asks for the limit."""
+    if value is None:
+        return limit or 1 << 20
+    if isinstance(value, bool):
+        raise KvstateError(f"max_model_len must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise KvstateError(f"max_model_len must be an integer, got {value!r}") from None
+    if value < 1:
+        raise KvstateError(f"max_model_len must be >= 1, got {value}")
+    if limit is not None and value > limit:
+        raise KvstateError(f"max_model_len {value} is more than the model's maximum {limit} "
+                           f"(max_position_embeddings in config.json)")
+    return value
+
+
+class EngineCore:
+    def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 conv_window: str = "kernel", seed: int | None = None):
+        from kvstate.engine.runner import ModelRunner
+        from kvstate.memory import parse_size
+
+        self.plan, self.tokenizer = plan, tokenizer
+        max_model_len = check_max_model_len(max_model_len, plan.max_position_embeddings)
+        if isinstance(cache_memory, str):
+            cache_memory = parse_size(cache_memory, "--cache-memory")
+        if cache_memory is None:
+            from kvstate.cache.spec import cache_spec
+
+            spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
+                              conv_window=conv_window)
+            need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
+            cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()), need)
+        self.runner = ModelRunner(model, plan, cache_bytes=cache_memory, block_size=block_size,
+                                  num_slots=max_num_seqs, max_model_len=max_model_len, conv_window=conv_window,
+                                  seed=seed)
+        sizes = self.runner.sizes
+        # a model without KV layers has block ids for bookkeeping only; with KV layers the pool caps the length
+        self.max_model_len = min(max_model_len, sizes.num_blocks * block_size)
+        eos = tokenizer.eos_token_ids if tokenizer is not None else set()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=sizes.num_blocks, block_size=block_size, num_slots=sizes.num_slots,
+            max_model_len=self.max_model_len, vocab_size=plan.vocab_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos)),
+            detokenize=tokenizer.decode if tokenizer is not None else None)
+        self.peak_cache_bytes = {"kv": 0, "state": 0}
+        self._sent: dict[object, int] = {}  # request id -> output tokens already reported
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None) -> None:
+        """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
+        by the next step as finished with an error."""
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
+        self._sent[request_id] = 0
+        self.scheduler.add(request_id, prompt_token_ids, params)
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether a step is still needed: requests to run, or results not yet reported."""
+        return self.scheduler.has_work()
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """One engine step; the new output of every request that changed in it."""
+        step = self.scheduler.schedule()
+        if step.is_empty and not self.scheduler.running and self.scheduler.waiting:
+            self.scheduler.postprocess(step, [])
+            raise KvstateError("the cache pools cannot hold the next waiting request (raise --cache-memory)")
+        out = self.runner.execute(step)
+        if not step.is_empty:
+            for key, used in self.cache_bytes_in_use().items():
+                self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
+        want = any(p.logprobs is not None for p in step.sample_params())
+        logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
+        finished = self.scheduler.postprocess(step, out.token_ids, logprobs)
+        sampled = step.sample_seqs()
+        in_step = {id(s) for s in sampled}
+        return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]
+
+    def _news(self, seq: Sequence) -> EngineOutput:
+        sent = self._sent.get(seq.request_id, 0)
+        tokens = seq.output_token_ids[sent:]
+        text = seq.detokenizer.take() if seq.detokenizer is not None else ""
+        if not seq.is_finished:
+            self._sent[seq.request_id] = seq.num_output_tokens
+            return EngineOutput(seq.request_id, tokens, text, False)
+        self._sent.pop(seq.request_id, None)
+        return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq))
+
+    def _request_output(self, seq: Sequence) -> RequestOutput:
+        text = seq.output_text or ""  # None without a tokenizer: token ids only
+        logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
+        done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
+        return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
+                             metrics=seq.metrics())
+
+    # -- pool usage -----------------------------------------------------------------------------
+    def cache_bytes_in_use(self) -> dict[str, int]:
+        """Bytes of the pools owned by running sequences now: KV blocks and state slots apart."""
+        sizes = self.runner.sizes
+        used_slots = sizes.num_slots - self.scheduler.slots.num_free_slots
+        return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes, "state": used_slots * sizes.slot_bytes}
+
+    def stats(self) -> dict[str, int]:
+        """Requests and pool occupancy now (what a server's metrics endpoint would report)."""
+        s, sizes = self.scheduler, self.runner.sizes
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting),
+                "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": sizes.num_blocks,
+                "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
+                **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()}}

@@ -1,0 +1,26 @@
+"""Shared helpers for the kernel tests: the fp64 truth, an error bound, and the built extension."""
+
+import pytest
+import torch
+
+from kvstate.kernels import _ext
+
+
+def extension():
+    """The compiled extension, or skip the test with a plain message saying why it is missing."""
+    module = _ext.load()
+    if module is None:
+        pytest.skip(f"kvstate kernels not built: {_ext.unavailable_reason()}")
+    return module
+
+
+def assert_close_to_truth(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rel=1e-5):
+    """y against x @ w^T + b in fp64 (w as stored, widened exactly), elementwise within `rel` of the
+    sum of |terms| (the scale fp32 rounding errors grow with)."""
+    xd, wd = x.double(), w.double()
+    truth = xd @ wd.T + (b.double() if b is not None else 0)
+    scale = xd.abs() @ wd.abs().T + (b.double().abs() if b is not None else 0)
+    assert y.shape == truth.shape and y.dtype == torch.float32
+    err = (y.double() - truth).abs()
+    worst = (err / (scale + 1e-30)).max().item() if err.numel() else 0.0
+    assert worst <= rel, f"max error {worst:.3g} of the |terms| scale (allowed {rel})"

@@ -1,0 +1,127 @@
+"""`kvstate.kernels.linear`: any leading shape, the fallback forced (context manager and
+environment) and checked the same way, what goes to torch, `info()`, and the Linear drop-in."""
+
+import pytest
+import torch
+from torch import nn
+
+from kvstate import kernels
+from kvstate.kernels import _ext
+from tests.kernels.conftest import assert_close_to_truth, extension
+
+BACKENDS = ["auto", "torch", "avx512", "avx2"]
+
+
+def available(name):
+    if name in ("avx512", "avx2") and name not in extension().isas():
+        pytest.skip(f"this CPU has no {name}")
+    if name == "auto":
+        extension()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_backend_against_truth(name, dtype):
+    if name != "torch":
+        available(name)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(23, 77, generator=g).to(dtype)
+    b = torch.randn(23, generator=g)
+    with kernels.backend(name):
+        for shape in [(77,), (1, 77), (2, 3, 77), (17, 77), (40, 77), (0, 77)]:
+            x = torch.randn(*shape, generator=g)
+            y = kernels.linear(x, w, b)
+            assert y.shape == (*shape[:-1], 23)
+            assert_close_to_truth(y.reshape(-1, 23), x.reshape(-1, 77), w, b)
+
+
+def test_environment_forces_the_fallback(monkeypatch):
+    ext = extension()
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": _Spy(ext, calls), "reason": None})
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    kernels.linear(x, w)
+    assert calls == ["auto"]
+    monkeypatch.setenv(kernels.ENV, "torch")
+    torch.testing.assert_close(kernels.linear(x, w), x @ w.T)
+    assert calls == ["auto"] and kernels.info()["backend"] == "torch"
+    with kernels.backend("avx2"):  # the context manager wins over the environment
+        kernels.linear(x, w)
+    assert calls == ["auto", "avx2"]
+    monkeypatch.setenv(kernels.ENV, "fast")
+    with pytest.raises(ValueError, match="KVSTATE_KERNELS='fast'"):
+        kernels.linear(x, w)
+
+
+def test_what_goes_to_torch(monkeypatch):
+    """More than MAX_ROWS rows, autograd, a float64 x, a non-contiguous weight: F.linear, still right."""
+    ext = extension()
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": _Spy(ext, calls), "reason": None})
+    w = torch.randn(8, 16, dtype=torch.float32)
+    kernels.linear(torch.randn(kernels.MAX_ROWS, 16), w)
+    assert len(calls) == 1
+    x = torch.randn(kernels.MAX_ROWS + 1, 16)
+    torch.testing.assert_close(kernels.linear(x, w), x @ w.T)
+    wg = w.clone().requires_grad_()
+    kernels.linear(torch.randn(2, 16), wg).sum().backward()
+    assert wg.grad is not None
+    xd = torch.randn(2, 16, dtype=torch.float64)
+    torch.testing.assert_close(kernels.linear(xd, w.bfloat16()), xd @ w.bfloat16().double().T)
+    wt = torch.randn(16, 8).T
+    torch.testing.assert_close(kernels.linear(x[:2], wt), x[:2] @ wt.T)
+    assert len(calls) == 1
+
+
+def test_info_says_which_path():
+    extension()
+    info = kernels.info()
+    assert info["backend"] == "extension" and info["isa"] == info["isas"][0] and info["reason"] is None
+    with kernels.backend("torch"):
+        assert kernels.info()["backend"] == "torch"
+    with pytest.raises(ValueError):
+        kernels.backend("cuda").__enter__()
+
+
+def test_stale_or_missing_build_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(_ext, "_loaded", {})
+    monkeypatch.setattr(_ext, "LIBRARY", tmp_path / "none.so")
+    assert _ext.load() is None and "not built" in _ext.unavailable_reason()
+    assert kernels.info()["backend"] == "torch"
+    x, w = torch.randn(2, 5), torch.randn(3, 5).bfloat16()
+    torch.testing.assert_close(kernels.linear(x, w), x @ w.float().T)
+    (tmp_path / "none.so").write_bytes(b"")
+    monkeypatch.setattr(_ext, "STAMP", tmp_path / "sources.sha256")
+    (tmp_path / "sources.sha256").write_text("0" * 64)
+    monkeypatch.setattr(_ext, "_loaded", {})
+    assert _ext.load() is None and "stale" in _ext.unavailable_reason()
+
+
+def test_linear_module_keeps_bf16_weights():
+    torch.manual_seed(0)
+    ref = nn.Linear(40, 24)
+    lin = kernels.Linear.from_linear(ref, weight_dtype=torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16 and lin.bias is ref.bias
+    assert set(lin.state_dict()) == {"weight", "bias"}
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        assert_close_to_truth(lin(x), x, lin.weight, lin.bias)
+        fresh = kernels.Linear(40, 24, weight_dtype=torch.bfloat16)
+        fresh.load_state_dict(lin.state_dict())
+        assert torch.equal(fresh(x), lin(x)) and "weight_dtype=torch.bfloat16" in repr(fresh)
+        same = kernels.Linear.from_linear(ref)
+        assert same.weight is ref.weight and torch.allclose(same(x), ref(x), atol=1e-5)
+
+
+class _Spy:
+    """Wraps the extension to record which ISA each call asked for."""
+
+    def __init__(self, ext, calls):
+        self.ext, self.calls = ext, calls
+
+    def linear(self, x, w, b, isa):
+        self.calls.append(isa)
+        return self.ext.linear(x, w, b, isa)
+
+    def isas(self):
+        return self.ext.isas()

@@ -1,0 +1,84 @@
+"""The compiled skinny GEMM against fp64 truth on awkward shapes, both weight dtypes, every ISA
+this CPU has (AVX-512 machines test the AVX2 path too)."""
+
+import pytest
+import torch
+
+from tests.kernels.conftest import assert_close_to_truth, extension
+
+# N, K: not multiples of 16 or 32, smaller than one vector, and one K tile plus a ragged rest.
+SHAPES = [(1, 1), (5, 7), (37, 100), (64, 64), (33, 1000), (3, 2049), (130, 33)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def isas():
+    return extension().isas()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_against_truth_every_isa_and_row_count(n, k, dtype):
+    ext = extension()
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g)
+    for isa in isas():
+        for m in range(1, 18):  # one pass of 16 rows, and a second of 1
+            x = torch.randn(m, k, generator=g)
+            assert_close_to_truth(ext.linear(x, w, b if m % 2 else None, isa), x, w, b if m % 2 else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_non_contiguous_x(dtype):
+    ext = extension()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(45, 70, generator=g).to(dtype)
+    for isa in isas():
+        x = torch.randn(6, 140, generator=g)[:, ::2]  # strided columns
+        assert not x.is_contiguous()
+        assert_close_to_truth(ext.linear(x, w, None, isa), x, w, None)
+        xt = torch.randn(70, 3, generator=g).T  # transposed
+        assert_close_to_truth(ext.linear(xt, w, None, isa), xt, w, None)
+
+
+def test_many_rows_and_large_values():
+    """More rows than one pass (40 = 16 + 16 + 8) and values far from 1: the scale is relative."""
+    ext = extension()
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(19, 301, generator=g) * 1e3).bfloat16()
+    x = torch.randn(40, 301, generator=g) * 1e-3
+    for isa in isas():
+        assert_close_to_truth(ext.linear(x, w, None, isa), x, w, None)
+
+
+def test_empty_inputs():
+    ext = extension()
+    for isa in isas():
+        assert ext.linear(torch.randn(0, 8), torch.randn(5, 8), None, isa).shape == (0, 5)
+        y = ext.linear(torch.randn(3, 0), torch.randn(4, 0), torch.arange(4.0), isa)  # K = 0: just the bias
+        assert torch.equal(y, torch.arange(4.0).expand(3, 4))
+
+
+def test_bad_arguments_are_refused():
+    ext = extension()
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        ext.linear(torch.randn(2, 8).double(), torch.randn(3, 8), None)
+    with pytest.raises(RuntimeError, match="columns"):
+        ext.linear(torch.randn(2, 8), torch.randn(3, 9), None)
+    with pytest.raises(RuntimeError, match="not available"):
+        ext.linear(torch.randn(2, 8), torch.randn(3, 8), None, "sve")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_tail_reads_nothing_past_k(dtype):
+    """The last K step of a row must not use what lies after it in memory: here the next row's
+    start, and after the last row, infinities (0 * inf would poison the sum)."""
+    ext = extension()
+    g = torch.Generator().manual_seed(3)
+    n, k = 5, 45
+    storage = torch.full((n * k + 64,), float("inf")).to(dtype)
+    storage[: n * k] = torch.randn(n * k, generator=g).to(dtype)
+    w = storage[: n * k].view(n, k)
+    x = torch.randn(3, k, generator=g)
+    for isa in isas():
+        assert_close_to_truth(ext.linear(x, w, None, isa), x, w, None)
