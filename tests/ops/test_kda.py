@@ -302,3 +302,58 @@ def test_argument_errors_name_the_argument(form):
             form(q, k, v, g, beta, chunk_size=48)
         with pytest.raises(ValueError, match="^g must be <= 0"):
             form(q, k, v, -g, beta)
+
+
+def test_recurrent_runs_on_the_shared_driver_workers(monkeypatch):
+    """KDA decode is a step of the shared decode driver: big calls spread state blocks over worker
+    threads (forced here on a small call), in-place pool updates and all states included."""
+    from kvstate.ops import _threads
+
+    monkeypatch.setattr(_threads, "MIN_WORK", 0)
+    monkeypatch.setattr(_threads, "MAX_WORKERS", 3)  # as if on a 3-core machine
+    calls, run = [], _threads.run
+    monkeypatch.setattr(_threads, "run", lambda tasks: calls.append(len(tasks)) or run(tasks))
+    lens = [0, 5, 1, 3]
+    (q, k, v, g, beta), s0 = inputs(1, sum(lens), 2, 4, 16, 8, seed=21)
+    s0 = torch.randn(4, 4, 16, 8)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    o_ref, s_ref = naive_kda(*(x.double() for x in (q, k, v, g, beta)), initial_state=s0.double(),
+                             output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    pool, idx = torch.randn(6, 4, 16, 8), torch.tensor([5, 0, 3, 1])
+    pool[idx] = s0
+    with torch.inference_mode():  # the engine decodes in inference mode; workers must inherit it
+        o, final, al = recurrent_kda(q, k, v, g, beta, cu_seqlens=cu, initial_state=pool, state_indices=idx,
+                                     inplace_final_state=True, output_all_states=True, use_qk_l2norm_in_kernel=True)
+    assert final is pool and rel(o, o_ref) <= TOL and rel(pool[idx], s_ref) <= TOL
+    assert torch.equal(al[0, -1], pool[1])  # the last token's state is the last sequence's final state
+    assert calls == [3]  # the call ran on three workers
+
+
+@pytest.mark.parametrize("block_bytes", [700, 5000])  # head ranges of one sequence / several sequences
+@pytest.mark.parametrize("t", [1, 3])
+def test_recurrent_state_blocks(monkeypatch, block_bytes, t):
+    """The driver's blocks: a few heads of one sequence, or (one token each) several whole sequences."""
+    from kvstate.ops import _recurrent_delta
+
+    monkeypatch.setattr(_recurrent_delta, "BLOCK_BYTES", block_bytes)  # states are 4 x 16 x 8 x 4 B = 2 KiB
+    args, s0 = inputs(5, t, 2, 4, 16, 8, seed=22)
+    o_ref, s_ref = reference(args, s0, use_qk_l2norm_in_kernel=True)
+    o, none = recurrent_kda(*args, initial_state=s0, use_qk_l2norm_in_kernel=True)  # no final state: scratch
+    assert none is None and rel(o, o_ref) <= TOL
+    state = s0.clone()
+    o, s = recurrent_kda(*args, initial_state=state, inplace_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert s is state and rel(o, o_ref) <= TOL and rel(state, s_ref) <= TOL
+
+
+def test_recurrent_reads_a_low_precision_state_pool():
+    """A bf16 state pool is read block by block in fp32; the new state is fp32, the pool untouched."""
+    args, s0 = inputs(3, 2, 1, 2, 16, 8, seed=23)
+    idx = torch.tensor([1, 2, 0])
+    pool = torch.empty_like(s0, dtype=torch.bfloat16)
+    pool[idx] = s0.bfloat16()  # sequence n's state in row idx[n]
+    o_ref, s_ref = reference(args, s0.bfloat16().float(), use_qk_l2norm_in_kernel=True)
+    before = pool.clone()
+    o, s = recurrent_kda(*args, initial_state=pool, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         state_indices=idx)
+    assert s.dtype == torch.float32 and rel(o, o_ref) <= TOL and rel(s, s_ref) <= TOL
+    assert torch.equal(pool, before)
