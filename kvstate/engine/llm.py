@@ -119,7 +119,8 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise KvstateError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__} ({prompt!r:.40})")
+        raise KvstateError(f"prompt must be a string or a list of token ids, "
+                           f"got {type(prompt).__name__} ({prompt!r:.40})")
 
     # -- outputs out -----------------------------------------------------------------------------
     def _step(self) -> list[EngineOutput]:

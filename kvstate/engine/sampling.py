@@ -1,16 +1,16 @@
 """The batched sampler: one row of logits per request, each with its own SamplingParams.
 
 Per row, as vLLM does: penalties first (`kvstate.engine.penalties`, rows that ask for them);
-then greedy rows (temperature < 1e-5) take the argmax; the others are divided by their temperature, filtered by min_p, top_k, then top_p (each only
-where that row asks for it), and sampled from the softmax of what is left by inverse CDF: one
-uniform number per row, found in the row's cumulative probabilities. A row with a seed draws
-that number from its own generator, so its tokens do not depend on the rows around it or on
-how its prompt was chunked. Nothing sorts the whole vocabulary (a 250k-token sort per row is
-slow on CPU): when every sampled row has a top_k, the whole filter-and-sample runs on the top-k
-candidates; otherwise top_p looks at the `topk` 1024 most likely tokens, falling back to a full
-sort only for rows whose candidates hold less than top_p of the mass. Logprobs, when asked for, are
-those of the raw model distribution (vLLM's default "raw_logprobs"): the chosen token's plus
-the top n.
+then greedy rows (temperature < 1e-5) take the argmax; the others are divided by their
+temperature, filtered by min_p, top_k, then top_p (each only where that row asks for it), and
+sampled from the softmax of what is left by inverse CDF: one uniform number per row, found in
+the row's cumulative probabilities. A row with a seed draws that number from its own
+generator, so its tokens do not depend on the rows around it or on how its prompt was chunked.
+Nothing sorts the whole vocabulary (a 250k-token sort per row is slow on CPU): when every
+sampled row has a top_k, the whole filter-and-sample runs on the top-k candidates; otherwise
+top_p looks at the `topk` 1024 most likely tokens, falling back to a full sort only for rows
+whose candidates hold less than top_p of the mass. Logprobs, when asked for, are those of the
+raw model distribution (vLLM's default "raw_logprobs"): the chosen token's plus the top n.
 
 The seeded generators are per-request state: `RequestGenerators` (owned by the runner) keeps one
 per request id from its first sampled token until the request finishes.
