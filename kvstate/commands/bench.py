@@ -10,6 +10,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ops": ("kvstate.bench.ops", "every op and form: ms, tokens/s, GFLOP/s, ratio to transformers"),
     "model": ("kvstate.bench.model", "prefill of a ~0.5B Qwen3.5-style checkpoint vs transformers"),
     "engine": ("kvstate.bench.engine", "engine decode at batch 1/8/32 and prefill vs transformers generate()"),
+    "linear": ("kvstate.bench.linear", "decode-sized linears: kvstate's CPU kernels vs F.linear, fp32/bf16 weights"),
 }
 
 
