@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     wanted = [d.strip() for d in args.dtypes.split(",")]
     with console.status("measuring the read bandwidth"):
-        read_bw = read_bandwidth(256 if args.quick else 1024)
+        read_bw = read_bandwidth(64 if args.quick else 1024)
     shapes = model_linears(size)
     g = torch.Generator().manual_seed(0)
     with console.status(f"allocating the weights of {len(shapes)} linears"):
