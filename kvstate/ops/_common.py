@@ -60,28 +60,6 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | None, batch: int, total: int) ->
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def check_state_args(n_seq: int, acc: torch.dtype, initial_state, state_indices, inplace_final_state: bool,
-                     *grad_inputs) -> None:
-    """The recurrent forms' state arguments: no autograd; `state_indices` (one row of the pool
-    `initial_state` per sequence); `inplace_final_state` needs a contiguous `acc` state to write into."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in grad_inputs):
-        raise ValueError("recurrent forms do not support autograd; use the chunk form for training")
-    if state_indices is not None:
-        if initial_state is None:
-            raise ValueError("state_indices needs initial_state (the state pool it indexes)")
-        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1 \
-                or state_indices.dtype.is_floating_point or state_indices.numel() != n_seq:
-            raise ValueError(f"state_indices must be a 1-D integer tensor with one entry per sequence ({n_seq})")
-        rows = initial_state.shape[0]
-        if state_indices.numel() and (int(state_indices.min()) < 0 or int(state_indices.max()) >= rows):
-            raise ValueError(f"state_indices must lie in [0, {rows})")
-    if inplace_final_state:
-        if initial_state is None:
-            raise ValueError("inplace_final_state needs initial_state (the state updated in place)")
-        if initial_state.dtype != acc or not initial_state.is_contiguous():
-            raise ValueError(f"initial_state must be a contiguous {acc} tensor for inplace_final_state")
-
-
 def num_sequences(batch: int, cu_seqlens: torch.Tensor | None) -> int:
     return batch if cu_seqlens is None else cu_seqlens.numel() - 1
 

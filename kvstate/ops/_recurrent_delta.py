@@ -29,10 +29,32 @@ from typing import Callable
 import torch
 
 from kvstate.ops import _threads
-from kvstate.ops._common import check_state_args
 from kvstate.ops._inputs import FlatInputs
 
 BLOCK_BYTES = 2 << 20  # state bytes per block: about one core's L2
+
+
+def _check_state_args(batch: FlatInputs, state_indices, inplace_final_state: bool) -> None:
+    """The recurrent forms' state arguments: no autograd; `state_indices` (one row of the pool
+    `initial_state` per sequence); `inplace_final_state` needs a contiguous `acc` state to write into."""
+    n_seq, acc, initial_state = batch.n_seq, batch.acc, batch.s0
+    inputs = (batch.q, batch.k, batch.v, batch.g, batch.beta, initial_state)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        raise ValueError("recurrent forms do not support autograd; use the chunk form for training")
+    if state_indices is not None:
+        if initial_state is None:
+            raise ValueError("state_indices needs initial_state (the state pool it indexes)")
+        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1 \
+                or state_indices.dtype.is_floating_point or state_indices.numel() != n_seq:
+            raise ValueError(f"state_indices must be a 1-D integer tensor with one entry per sequence ({n_seq})")
+        rows = initial_state.shape[0]
+        if state_indices.numel() and (int(state_indices.min()) < 0 or int(state_indices.max()) >= rows):
+            raise ValueError(f"state_indices must lie in [0, {rows})")
+    if inplace_final_state:
+        if initial_state is None:
+            raise ValueError("inplace_final_state needs initial_state (the state updated in place)")
+        if initial_state.dtype != acc or not initial_state.is_contiguous():
+            raise ValueError(f"initial_state must be a contiguous {acc} tensor for inplace_final_state")
 
 
 def _blocks(batch: FlatInputs, merge: bool) -> list[tuple[int, int, int, int]]:
@@ -61,8 +83,7 @@ def run(batch: FlatInputs, build: Callable, *, output_final_state: bool, output_
     `build` runs inside the workers' scope (single-threaded torch ops: the blocks bring their own
     parallelism). Returns (o [B, T, HV, V] in the input dtype, final_state or None[, all_states]).
     """
-    check_state_args(batch.n_seq, batch.acc, batch.s0, state_indices, inplace_final_state,
-                     batch.q, batch.k, batch.v, batch.g, batch.beta, batch.s0)
+    _check_state_args(batch, state_indices, inplace_final_state)
     _, hv, dk, dv = batch.dims
     merge = _mergeable(batch, output_all_states, state_indices)
     blocks = _blocks(batch, merge)
