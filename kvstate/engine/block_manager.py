@@ -6,11 +6,12 @@ which ids a sequence owns. One block id or slot id indexes every layer's pool.
 
 - `BlockManager`: a free list and a reference count per block. A sequence's block table is a
   list of ids in token order; `grow` appends blocks until it covers a number of tokens, `free`
-  drops one reference per block. Counts above 1 let later prefix caching share full blocks
-  between sequences (`share`); a block returns to the free list when its count reaches 0.
+  drops one reference per block. `share` adds a reference to blocks in use, so sequences can
+  read the same full blocks; a block returns to the free list when its count reaches 0.
 - `SlotManager`: free state slots, one per running sequence. `copy_slot` reserves a spare slot
-  and queues a copy (src -> dst) for the runner to carry out on the tensors before the next
-  forward: the hook for state snapshots (prefix caching) and rollback (speculative decoding).
+  and queues a copy (src -> dst); the scheduler's next step carries the queued copies
+  (`SchedulerOutput.slot_copies`) and the runner carries them out on the tensors before the
+  forward: a state snapshot is a slot like any other.
 
 `pool_sizes` turns a cache budget and the memory planner's `CacheSpec` into the pool sizes,
 so the bytes the engine allocates are the planner's arithmetic.
@@ -139,7 +140,7 @@ class SlotManager:
 
     def copy_slot(self, src: int, dst: int | None = None) -> int:
         """Queue a copy of slot `src` into `dst` (a fresh spare slot when None); returns dst.
-        The copy happens on the tensors when the runner calls `take_copies` before a forward."""
+        The scheduler hands the queued copies to the runner in its next step (`take_copies`)."""
         if not (0 <= src < self.num_slots) or not self._used[src]:
             raise CacheAccountingError(f"cannot copy state slot {src}: it is not in use")
         if dst is None:

@@ -175,3 +175,18 @@ def test_seeded_sampling_does_not_depend_on_the_batch(checkpoint):
     other = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     together = llm.generate([[9, 2, 6], [3, 1, 4, 1, 5], [5, 3, 5, 8, 9, 7]], [other, p, other])
     assert together[1].token_ids == alone
+
+
+def test_slot_copies_of_the_step_are_carried_out_before_the_forward(checkpoint):
+    path, _, _ = checkpoint
+    core = LLM(path, cache_memory="16MiB", max_num_seqs=4).engine
+    core.add_request("a", random_ids(VOCAB, 9, 3), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    core.step()  # prefill: a's state is in its slot
+    src = core.scheduler.running[0].state_slot
+    dst = core.scheduler.slots.copy_slot(src)  # a snapshot, as prefix caching will take them
+    pools = [t for c in core.runner.caches for t in (c.state, c.conv) if t is not None]
+    before = [t[src].clone() for t in pools]
+    core.step()  # copies first, then a decodes (its own slot moves on)
+    assert pools and all(torch.equal(t[dst], b) for t, b in zip(pools, before))
+    assert any(not torch.equal(t[src], b) for t, b in zip(pools, before))
+    core.scheduler.slots.free(dst)

@@ -368,3 +368,26 @@ def test_random_configs():
         simulate(cfg, seed, num_requests=12, max_prompt=max_len)
 
     run()
+
+
+def test_the_step_carries_slot_copies_and_finished_request_ids():
+    """The runner's work besides the forward comes in the step: no one reaches into the slot manager."""
+    s = make()
+    a = s.add("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    first, _, _ = step(s)
+    assert first.slot_copies == [] and first.finished_request_ids == []
+    src = a.state_slot
+    spare = s.slots.copy_slot(src)  # e.g. a snapshot of a's state
+    second, _, finished = step(s)
+    assert second.slot_copies == [(src, spare)]
+    assert [f.request_id for f in finished] == ["a"] and second.finished_request_ids == []
+    third = s.schedule()
+    assert third.finished_request_ids == ["a"] and third.slot_copies == []
+    s.postprocess(third, [])
+    assert s.schedule().finished_request_ids == []
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected():
+    s = make(vocab=50)
+    bad = s.add("bad", [1, 2], SamplingParams(stop_token_ids=[3, 50, 77]))
+    assert bad.status is SequenceStatus.REJECTED and "[50, 77]" in bad.error and "vocabulary [0, 50)" in bad.error
