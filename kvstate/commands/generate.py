@@ -1,7 +1,8 @@
-"""`kvstate generate --model PATH "prompt"`: stream a completion, then a summary line.
+"""`kvstate generate --model PATH_OR_HUB_ID "prompt"`: stream a completion, then a summary line.
 
-The summary gives decode tokens/s, time to first token, and the cache bytes the request held
-at its peak, KV blocks and state slots apart (the two kinds of cache of a hybrid model).
+The summary gives decode tokens/s, time to first token, and the cache bytes the requests held
+at their peak, KV blocks and state slots apart (the two kinds of cache of a hybrid model), and
+how the requests finished. A prompt `-` is read from stdin.
 """
 
 from __future__ import annotations
@@ -10,46 +11,88 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
+
+from kvstate.errors import KvstateError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
-    parser.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--cache-memory", default=None, help="KV + state pool budget, e.g. 4GiB (default: a fraction of free RAM)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    parser.add_argument("prompt", nargs="+",
+                        help="prompt text; several prompts run as one batch; - reads a prompt from stdin")
+    parser.add_argument("--model", required=True, metavar="PATH_OR_HUB_ID",
+                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
+                             "hub id (org/name: the local cache when offline, else downloaded)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap each prompt as a user message in the checkpoint's chat template")
+    parser.add_argument("--system", default=None, metavar="TEXT", help="system message of the chat template (needs --chat)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N",
+                        help="most tokens to generate per prompt (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="sampling temperature; 0 = greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the k most likely tokens; 0 = off (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="keep the smallest set of tokens with this total probability; 1 = off (default: 1)")
+    parser.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                        help="drop tokens less likely than this times the top one; 0 = off (default: 0)")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="random seed: the same seed gives the same tokens (default: none, fresh randomness)")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="stop when the output contains this string, which is left out (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token (default: stop there)")
+    parser.add_argument("--cache-memory", default=None, metavar="SIZE",
+                        help="KV + state pool budget, e.g. 4GiB (default: a fraction of the free memory)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                        help="longest prompt + output in tokens, at most the model's (default: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt when done instead of streaming text")
+
+
+def read_prompts(prompts: list[str], stdin=None) -> list[str]:
+    """The prompts with each `-` replaced by the text of stdin (read once; its last newline dropped)."""
+    if "-" not in prompts:
+        return prompts
+    stdin = stdin or sys.stdin
+    if prompts.count("-") > 1:
+        raise KvstateError("prompt: '-' (stdin) can be given once")
+    text = stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise KvstateError("prompt: '-' read an empty prompt from stdin")
+    return [text if p == "-" else p for p in prompts]
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    from kvstate.commands.console import make_console
+    from kvstate.commands.progress import load_progress
     from kvstate.engine.llm import LLM
     from kvstate.engine.params import SamplingParams
-    from kvstate.memory import format_bytes
 
-    console = Console(stderr=True)
-    with console.status("loading model"):
-        llm = LLM(args.model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed)
-    prompts = args.prompt
+    if args.system is not None and not args.chat:
+        raise KvstateError("--system needs --chat (the system message is part of the chat template)")
+    prompts = read_prompts(args.prompt)
+    console = make_console(stderr=True)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed, stop=args.stop, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    with load_progress(console, enabled=not args.json) as progress:
+        llm = LLM(args.model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
+                  load_progress=progress)
     if args.chat:
         if llm.tokenizer is None:
-            from kvstate.errors import KvstateError
-
             raise KvstateError(f"{args.model}: --chat needs a tokenizer.json")
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompts = [llm.tokenizer.apply_chat_template(system + [{"role": "user", "content": p}]) for p in prompts]
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, stop=args.stop, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
     outputs = []
     for ev in llm.stream(prompts, params):
@@ -60,24 +103,43 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
     peak = llm.peak_cache_bytes
+    failed = any(o.error is not None for o in outputs)
     if args.json:
         for o in outputs:
             print(json.dumps(dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
                                   error=o.error, metrics=o.metrics, peak_cache_bytes=peak)))
-        return 0 if all(o.error is None for o in outputs) else 2
+        return 2 if failed else 0
     if len(prompts) > 1:
         for o in outputs:
             print(o.text if o.error is None else f"[error: {o.error}]")
-    else:
+    elif outputs and outputs[0].error is None:
         print()
     for o in outputs:
         if o.error:
-            console.print(f"[red]error:[/] {o.error}")
+            console.print(f"[red]error:[/] {o.error}", soft_wrap=True)
+    console.print(f"[dim]{summary(outputs, elapsed, peak)}[/]", soft_wrap=True)
+    return 2 if failed else 0
+
+
+def summary(outputs, elapsed: float, peak: dict[str, int]) -> str:
+    """"12 tokens in 0.41 s: 31.5 tok/s decode, first token 52 ms; cache in use at peak: KV 48 KiB +
+    state 1.5 MiB (2 length, 1 stop)". Timings only from requests that produced them; every
+    request's finish reason counted."""
+    from kvstate.memory import format_bytes
+
     n = sum(len(o.token_ids) for o in outputs)
-    tpot = [o.metrics.get("time_per_output_token") for o in outputs if o.metrics.get("time_per_output_token")]
-    ttft = [o.metrics.get("time_to_first_token") for o in outputs if o.metrics.get("time_to_first_token") is not None]
-    decode = f"{1 / (sum(tpot) / len(tpot)):.1f} tok/s decode" if tpot else "-"
-    console.print(f"[dim]{n} tokens in {elapsed:.2f} s: {decode}, first token {1000 * min(ttft, default=0):.0f} ms; "
-                  f"cache in use at peak: KV {format_bytes(peak['kv'])} + state {format_bytes(peak['state'])} "
-                  f"({outputs[0].finish_reason if outputs else '-'})[/]", soft_wrap=True)
-    return 0 if all(o.error is None for o in outputs) else 2
+    tpot = [t for o in outputs if (t := o.metrics.get("time_per_output_token"))]
+    ttft = [t for o in outputs if (t := o.metrics.get("time_to_first_token")) is not None and o.token_ids]
+    timings = []
+    if tpot:
+        timings.append(f"{1 / (sum(tpot) / len(tpot)):.1f} tok/s decode")
+    if ttft:
+        timings.append(f"first token {1000 * min(ttft):.0f} ms")
+    head = f"{n} token{'s' * (n != 1)} in {elapsed:.2f} s" + (": " + ", ".join(timings) if timings else "")
+    reasons = Counter(o.finish_reason or "unfinished" for o in outputs)
+    if len(outputs) == 1:
+        finish = next(iter(reasons))
+    else:
+        finish = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
+    return (f"{head}; cache in use at peak: KV {format_bytes(peak['kv'])} + state {format_bytes(peak['state'])} "
+            f"({finish or '-'})")

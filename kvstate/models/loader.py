@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -48,8 +49,11 @@ def family_of(plan):
     return family
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub)."""
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               progress: Callable[[int, int], None] | None = None):
+    """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub).
+
+    `progress(bytes_done, bytes_total)`, if given, is called as tensors load (for a progress bar)."""
     path = resolve_checkpoint(path)
     if not path.is_dir():
         raise KvstateError(f"{path}: not a checkpoint directory")
@@ -65,11 +69,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32):
     params.update(model.named_buffers())
     filled = {name: 0 for name in params}
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    total, done = sum(f.stat().st_size for f in files), 0
+    for file in files:
         for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type):
             layout[key] = tuple(tensor.shape)
+            if progress is not None:
+                done += tensor.numel() * tensor.element_size()
+                progress(min(done, total), total)
             for t in targets:
                 _copy(params, filled, t, tensor, key, file.name, plan)
+    if progress is not None:
+        progress(total, total)
     if plan.tie_word_embeddings:
         filled.pop("lm_head.weight", None)
     missing = [n for n, count in filled.items() if count < params[n].numel()]
