@@ -133,8 +133,8 @@ def mixer_entry(layer: int, m: MixerSpec, kv_dtype: str, state_dtype: str, conv_
                 conv_window: str) -> CacheEntry:
     """The cache of one mixer as its spec kind describes it (dtypes canonical, conv_window one of CONV_WINDOWS)."""
     kv, state, conv = m.kv_shape(), m.state_shape(), m.conv_shape(conv_window)
-    return CacheEntry(layer, m.kind, kv=kv and TensorSpec(kv, kv_dtype), recurrent=state and TensorSpec(state, state_dtype),
-                      conv=conv and TensorSpec(conv, conv_dtype))
+    return CacheEntry(layer, m.kind, kv=kv and TensorSpec(kv, kv_dtype),
+                      recurrent=state and TensorSpec(state, state_dtype), conv=conv and TensorSpec(conv, conv_dtype))
 
 
 def cache_spec(plan: ModelPlan, *, kv_dtype: str | None = None, state_dtype: str | None = None,

@@ -92,7 +92,8 @@ class Batch:
         width = max(1, max((len(t) for t in block_tables), default=0))
         tables = as_t([list(t) + [-1] * (width - len(t)) for t in block_tables]).view(n, width)
         q_t, cu = as_t(query_lens), as_t(offsets)
-        entry = torch.repeat_interleave(torch.arange(n, device=device), q_t)  # [T] entry of each token
+        # [T] entry of each token; output_size given: no device sync on the total
+        entry = torch.repeat_interleave(torch.arange(n, device=device), q_t, output_size=offsets[-1])
         positions = torch.arange(offsets[-1], device=device) - cu[entry] + as_t(context_lens)[entry]
         kv_indices = tables[entry, positions // block_size] * block_size + positions % block_size
 

@@ -2,8 +2,9 @@
 
 Each mixer spec class maps to one layer class (`MIXERS`) with a `from_spec(spec, hidden_size,
 options)` constructor; each FFN kind to the MLP or MoE modules. The model keeps its plan: its
-cache pools are allocated from the plan's cache spec (`kvstate.cache`), never from the layers. The modules are created on the meta
-device (no time spent on random init); the loader then materializes and fills them.
+cache pools are allocated from the plan's cache spec (`kvstate.cache`), never from the layers.
+The modules are created on the meta device (no time spent on random init); the loader then
+materializes and fills them.
 """
 
 from __future__ import annotations

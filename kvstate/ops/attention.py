@@ -1,7 +1,7 @@
 """Softmax attention over a paged KV cache (the full-attention layers of a hybrid model).
 
 The cache of one layer is a pool of blocks: k_cache, v_cache [num_blocks, block_size, Hkv, D].
-New K/V rows are written at the batch's `slot_mapping`, then each sequence attends over its own
+New K/V rows are written at the batch's `kv_indices`, then each sequence attends over its own
 blocks (its `block_tables` row) causally: query token t of a sequence with `c` cached tokens sees
 keys 0 .. c + t. Grouped-query heads are handled by SDPA's `enable_gqa` (no repeat of K/V).
 """
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache [num_blocks, block_size, *rest] <- new [T, *rest] at flat rows slot_mapping [T]."""
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new.to(cache.dtype))
+def write_kv(cache: torch.Tensor, new: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, *rest] <- new [T, *rest] at flat rows kv_indices [T]."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, kv_indices, new.to(cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -26,7 +26,7 @@ def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Te
     nb = -(-length // block_size)
     ids = table[:nb]
     first = int(ids[0])
-    if nb == 1 or bool((ids == torch.arange(first, first + nb)).all()):
+    if nb == 1 or bool((ids == torch.arange(first, first + nb, device=ids.device)).all()):
         return cache[first : first + nb].reshape(-1, *cache.shape[2:])[:length]
     return cache[ids].reshape(-1, *cache.shape[2:])[:length]
 
@@ -37,7 +37,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     if batch.decode_only and batch.num_seqs > 1:
         return _decode_batched(q, k_cache, v_cache, batch, scale, out)
-    cu = batch.cu_seqlens.tolist()
+    cu = batch.token_offsets
     for i, (q_len, kv_len) in enumerate(zip(batch.query_lens, batch.kv_lens)):
         if q_len == 0:
             continue
@@ -48,7 +48,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if ctx == 0:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=True)
         else:
-            allowed = torch.arange(kv_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+            pos = torch.arange(kv_len, device=q.device)
+            allowed = pos[None, :] <= pos[ctx:, None]  # [q_len, kv_len]: query t sees keys 0..ctx+t
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
         out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
     return out
@@ -63,8 +64,8 @@ def _decode_batched(q, k_cache, v_cache, batch, scale, out):
     for i, kv_len in enumerate(batch.kv_lens):
         k[i, :kv_len] = gather_kv(k_cache, batch.block_tables[i], kv_len)
         v[i, :kv_len] = gather_kv(v_cache, batch.block_tables[i], kv_len)
-    lens = torch.tensor(batch.kv_lens)
-    allowed = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]  # [N, 1, 1, max_len]
+    lens = torch.tensor(batch.kv_lens, device=q.device)
+    allowed = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]  # [N, 1, 1, max_len]
     o = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=allowed, scale=scale, enable_gqa=True)  # [N, H, 1, Dv]
     out.copy_(o[:, :, 0, :])
