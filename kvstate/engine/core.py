@@ -116,10 +116,11 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """One engine step; the new output of every request that changed in it."""
         step = self.scheduler.schedule()
+        out = self.runner.execute(step)  # an empty step still drops finished requests' state
         if step.is_empty and not self.scheduler.running and self.scheduler.waiting:
+            # `Scheduler.add` rejects what the pools can never hold, so this is an engine bug
             self.scheduler.postprocess(step, [])
             raise KvstateError("the cache pools cannot hold the next waiting request (raise --cache-memory)")
-        out = self.runner.execute(step)
         if not step.is_empty:
             for key, used in self.cache_bytes_in_use().items():
                 self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
