@@ -181,13 +181,16 @@ def split_heads(batch: FlatInputs, h0: int, h1: int) -> FlatInputs:
                                                                        batch.out_shape[3]))
 
 
-def run_split(batch: FlatInputs, kernel, *, output_final_state: bool, grad: bool):
-    """Run kernel(batch, o_dst, s_dst, output_final_state) -> (o [tot, HV, V], final or None), in
-    parallel over key-head groups when the call is big enough (kvstate/ops/_threads.py).
+def run_split(batch: FlatInputs, kernel, *, output_final_state: bool, **kernel_kw):
+    """Run kernel(batch, o_dst, s_dst, output_final_state, grad=..., **kernel_kw) -> (o [tot, HV, V],
+    final or None), in parallel over key-head groups when the call is big enough and autograd does
+    not record (kvstate/ops/_threads.py).
 
     Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None).
     """
     h, hv, dk, dv = batch.dims
+    grad = needs_grad(batch.q, batch.k, batch.v, batch.g, batch.beta, batch.s0)
+    kernel = partial(kernel, grad=grad, **kernel_kw)
     with _threads.scope(batch.q.shape[0] * hv * dk * dv, h, serial=not grad) as n_work:
         if n_work == 1:
             o, final = kernel(batch, None, None, output_final_state)

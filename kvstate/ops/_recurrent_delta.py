@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from kvstate.ops import _threads
-from kvstate.ops._inputs import FlatInputs
+from kvstate.ops._inputs import FlatInputs, normalize_qk
 
 BLOCK_BYTES = 2 << 20  # state bytes per block: about one core's L2
 
@@ -75,10 +75,11 @@ def _mergeable(batch: FlatInputs, output_all_states: bool, state_indices) -> boo
     return not output_all_states and state_indices is None and all(n == 1 for n in batch.lens)
 
 
-def run(batch: FlatInputs, build: Callable, *, output_final_state: bool, output_all_states: bool,
+def run(batch: FlatInputs, build: Callable, *, l2: bool, output_final_state: bool, output_all_states: bool,
         inplace_final_state: bool, state_indices: torch.Tensor | None):
-    """A recurrent form's call: check the state arguments, then build() -> (step, o [rows, ...] in
+    """A recurrent form's call: check the state arguments, then build(q, k) -> (step, o [rows, ...] in
     batch.acc) and drive `step` (see `_drive`) over the state blocks, in parallel for big calls.
+    build gets q, k [tot, H, K] in batch.acc, L2-normalized if `l2`, q scaled by batch.scale.
 
     `build` runs inside the workers' scope (single-threaded torch ops: the blocks bring their own
     parallelism). Returns (o [B, T, HV, V] in the input dtype, final_state or None[, all_states]).
@@ -88,7 +89,7 @@ def run(batch: FlatInputs, build: Callable, *, output_final_state: bool, output_
     merge = _mergeable(batch, output_all_states, state_indices)
     blocks = _blocks(batch, merge)
     with _threads.scope(batch.q.shape[0] * hv * dk * dv, len(blocks)) as n_work:
-        step, o = build()
+        step, o = build(*normalize_qk(batch.q, batch.k, batch.acc, l2, scale=batch.scale))
         final, all_states = _drive(batch, step, blocks, merge, n_work=n_work, output_final_state=output_final_state,
                                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
                                    state_indices=state_indices)

@@ -22,11 +22,9 @@ w = (I + L)^-1 diag(beta e^b) K are computed once per key head and broadcast or 
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from kvstate.ops._chunk_delta import ChunkScan, decay_mask, needs_grad, run_split
+from kvstate.ops._chunk_delta import ChunkScan, decay_mask, run_split
 from kvstate.ops._inputs import FlatInputs, prepare
 
 BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
@@ -41,9 +39,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     """
     batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True)
-    grad = needs_grad(q, k, v, g, beta, initial_state)
-    kernel = partial(chunk_delta, l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size, grad=grad)
-    return run_split(batch, kernel, output_final_state=output_final_state, grad=grad)
+    return run_split(batch, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
+                     chunk_size=chunk_size)
 
 
 def chunk_delta(batch: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):

@@ -15,7 +15,7 @@ import torch
 
 from kvstate.ops import _recurrent_delta as drv
 from kvstate.ops._common import repeat_heads
-from kvstate.ops._inputs import normalize_qk, prepare
+from kvstate.ops._inputs import prepare
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -29,10 +29,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
     batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, pool=state_indices is not None)
 
-    def build():
+    def build(qf, kf):  # [tot, H, K]: normalized, q scaled
         h, hv, dk, dv = batch.dims
         acc = batch.acc
-        qf, kf = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel, scale=batch.scale)
         # per (token, value head) row: k and scaled q [rows, 2, K], k . q [rows, 1]
         kq = repeat_heads(torch.stack([kf, qf], dim=2), hv, dim=1).flatten(0, 1)
         kdq = repeat_heads((kf * qf).sum(-1), hv, dim=1).reshape(-1, 1)
@@ -54,5 +53,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
 
         return step, o
 
-    return drv.run(batch, build, output_final_state=output_final_state, output_all_states=output_all_states,
-                   inplace_final_state=inplace_final_state, state_indices=state_indices)
+    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+                   output_all_states=output_all_states, inplace_final_state=inplace_final_state,
+                   state_indices=state_indices)

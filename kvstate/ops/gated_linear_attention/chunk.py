@@ -14,11 +14,9 @@ inter-chunk output), adds the intra-chunk output and updates the state in place.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from kvstate.ops._chunk_delta import ChunkScan, decay_mask, needs_grad, run_split
+from kvstate.ops._chunk_delta import ChunkScan, decay_mask, run_split
 from kvstate.ops._inputs import FlatInputs, prepare
 
 BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
@@ -32,9 +30,8 @@ def chunk_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=N
     """
     batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False)
-    grad = needs_grad(q, k, v, g, initial_state)
-    kernel = partial(chunk_gla, l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size, grad=grad)
-    return run_split(batch, kernel, output_final_state=output_final_state, grad=grad)
+    return run_split(batch, chunk_gla, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
+                     chunk_size=chunk_size)
 
 
 def chunk_gla(batch: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):

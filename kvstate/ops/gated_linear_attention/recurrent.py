@@ -10,7 +10,7 @@ import torch
 
 from kvstate.ops import _recurrent_delta as drv
 from kvstate.ops._common import repeat_heads
-from kvstate.ops._inputs import normalize_qk, prepare
+from kvstate.ops._inputs import prepare
 
 
 def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
@@ -23,10 +23,9 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
     batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False, pool=state_indices is not None)
 
-    def build():
+    def build(qf, kf):  # [tot, H, K]: normalized, q scaled
         h, hv, dk, dv = batch.dims
         acc = batch.acc
-        qf, kf = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel, scale=batch.scale)
         # per (token, value head) row: scaled q [rows, 1, K], k [rows, K, 1], v [rows, 1, V]
         qs = repeat_heads(qf, hv, dim=1).reshape(-1, 1, dk)
         kc = repeat_heads(kf, hv, dim=1).reshape(-1, dk, 1)
@@ -45,5 +44,6 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
 
         return step, o
 
-    return drv.run(batch, build, output_final_state=output_final_state, output_all_states=output_all_states,
-                   inplace_final_state=inplace_final_state, state_indices=state_indices)
+    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+                   output_all_states=output_all_states, inplace_final_state=inplace_final_state,
+                   state_indices=state_indices)

@@ -25,7 +25,7 @@ import torch
 
 from kvstate.ops import _recurrent_delta as drv
 from kvstate.ops._common import repeat_heads
-from kvstate.ops._inputs import normalize_qk, prepare
+from kvstate.ops._inputs import prepare
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -39,11 +39,10 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, g_shape="channel", pool=state_indices is not None)
 
-    def build():
+    def build(qf, kf):  # [tot, H, K]: normalized, q scaled
         h, hv, dk, dv = batch.dims
         acc = batch.acc
-        qn, kn = normalize_qk(batch.q, batch.k, acc, use_qk_l2norm_in_kernel, scale=batch.scale)
-        qn, kn = repeat_heads(qn, hv, dim=1).flatten(0, 1), repeat_heads(kn, hv, dim=1).flatten(0, 1)  # [rows, K]
+        qn, kn = repeat_heads(qf, hv, dim=1).flatten(0, 1), repeat_heads(kf, hv, dim=1).flatten(0, 1)  # [rows, K]
         e = batch.g.to(acc).flatten(0, 1).exp()  # [rows, K]
         ekq = torch.stack([e * kn, e * qn], dim=1)  # [rows, 2, K]: e k and e q
         kdq = (kn * qn).sum(-1, keepdim=True)  # [rows, 1]: k . q
@@ -63,5 +62,6 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
         return step, o
 
-    return drv.run(batch, build, output_final_state=output_final_state, output_all_states=output_all_states,
-                   inplace_final_state=inplace_final_state, state_indices=state_indices)
+    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+                   output_all_states=output_all_states, inplace_final_state=inplace_final_state,
+                   state_indices=state_indices)
