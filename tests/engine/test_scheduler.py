@@ -24,9 +24,9 @@ def make(num_blocks=16, block_size=4, num_slots=4, max_model_len=64, vocab=100, 
 
 
 def step(s: Scheduler, token=7):
-    plan = s.schedule()
-    entries = [(seq.request_id, n, c) for (seq, n), c in zip(plan.entries, plan.context_lens)]
-    return plan, entries, s.postprocess(plan, [token] * len(plan.sample_indices))
+    sched = s.schedule()
+    entries = [(seq.request_id, n, c) for (seq, n), c in zip(sched.entries, sched.context_lens)]
+    return sched, entries, s.postprocess(sched, [token] * len(sched.sample_indices))
 
 
 def test_control_plane_imports_no_torch():
@@ -42,35 +42,35 @@ def test_chunked_prefill_feeds_the_prompt_in_pieces_and_samples_once():
     seq = s.add("a", list(range(1, 26)), GREEDY)
     fed, contexts = [], []
     for _ in range(4):
-        plan = s.schedule()
-        assert len(plan) == 1 and plan.block_tables[0] == seq.block_table
-        contexts.append(plan.context_lens[0])
-        fed += plan.input_ids()
-        assert plan.sample_indices == ([0] if len(fed) == 25 else [])
-        s.postprocess(plan, [9] * len(plan.sample_indices))
+        sched = s.schedule()
+        assert len(sched) == 1 and sched.block_tables[0] == seq.block_table
+        contexts.append(sched.context_lens[0])
+        fed += sched.input_ids()
+        assert sched.sample_indices == ([0] if len(fed) == 25 else [])
+        s.postprocess(sched, [9] * len(sched.sample_indices))
     assert contexts == [0, 8, 16, 24] and fed == list(range(1, 26))
     assert seq.output_token_ids == [9] and seq.num_computed_tokens == 25
-    plan, entries, _ = step(s)
-    assert entries == [("a", 1, 25)] and plan.input_ids() == [9]  # decode feeds the sampled token
+    sched, entries, _ = step(s)
+    assert entries == [("a", 1, 25)] and sched.input_ids() == [9]  # decode feeds the sampled token
 
 
-def test_plan_builds_the_models_batch():
+def test_scheduler_output_builds_the_models_batch():
     torch = pytest.importorskip("torch")
     from kvstate.models.batch import Batch
 
     s = make(block_size=4, budget=12)
     s.add("a", [1, 2, 3, 4, 5, 6], GREEDY)
     s.add("b", [7, 8, 9, 10, 11, 12, 13, 14, 15], GREEDY)
-    plan = s.schedule()  # a: 6 tokens, b: first 6 of 9
-    batch = Batch.build(**plan.batch_args())
-    assert batch.query_lens == [6, 6] and plan.sample_indices == [0]
-    assert batch.cu_seqlens.tolist() == [0, 6, 12] and len(plan.input_ids()) == 12
-    table_b = plan.block_tables[1]
+    sched = s.schedule()  # a: 6 tokens, b: first 6 of 9
+    batch = Batch.build(**sched.batch_args())
+    assert batch.query_lens == [6, 6] and sched.sample_indices == [0]
+    assert batch.cu_seqlens.tolist() == [0, 6, 12] and len(sched.input_ids()) == 12
+    table_b = sched.block_tables[1]
     assert batch.kv_indices[6:].tolist() == [table_b[p // 4] * 4 + p % 4 for p in range(6)]
-    assert batch.state_slots.tolist() == plan.state_slots and len(set(plan.state_slots)) == 2
-    s.postprocess(plan, [5])
-    plan = s.schedule()  # a decodes at position 6, b finishes its prompt
-    batch = Batch.build(**plan.batch_args())
+    assert batch.state_slots.tolist() == sched.state_slots and len(set(sched.state_slots)) == 2
+    s.postprocess(sched, [5])
+    sched = s.schedule()  # a decodes at position 6, b finishes its prompt
+    batch = Batch.build(**sched.batch_args())
     assert batch.positions.tolist() == [6, 6, 7, 8] and batch.context_lens == [6, 6]
 
 
@@ -113,18 +113,18 @@ def test_preemption_frees_the_newest_and_recomputes_it_from_scratch():
     a = s.add("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
     b = s.add("b", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4))
     c = s.add("c", [7], SamplingParams(temperature=0, max_tokens=1))  # waits: two state slots
-    plan, entries, _ = step(s, token=11)  # a and b prefilled: 2 blocks each, pool full
+    sched, entries, _ = step(s, token=11)  # a and b prefilled: 2 blocks each, pool full
     assert entries == [("a", 3, 0), ("b", 3, 0)] and s.blocks.num_free_blocks == 0
-    plan, entries, _ = step(s, token=12)  # both decode at position 3: room in their second block
+    sched, entries, _ = step(s, token=12)  # both decode at position 3: room in their second block
     assert entries == [("a", 1, 3), ("b", 1, 3)]
-    plan, entries, _ = step(s, token=13)  # position 4 needs a third block: b (newest) makes room
-    assert entries == [("a", 1, 4)] and plan.preempted == [b]  # and c is not admitted this step
+    sched, entries, _ = step(s, token=13)  # position 4 needs a third block: b (newest) makes room
+    assert entries == [("a", 1, 4)] and sched.preempted == [b]  # and c is not admitted this step
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.state_slot is None
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1 and list(s.waiting) == [b, c]
     assert a.is_finished and a.output_token_ids == [11, 12, 13]  # a done: its blocks come back
-    plan, entries, _ = step(s, token=14)
-    assert entries == [("b", 5, 0), ("c", 1, 0)] and plan.input_ids() == [4, 5, 6, 11, 12, 7]  # prompt + outputs
-    assert plan.sample_indices == [0, 1] and c.is_finished
+    sched, entries, _ = step(s, token=14)
+    assert entries == [("b", 5, 0), ("c", 1, 0)] and sched.input_ids() == [4, 5, 6, 11, 12, 7]  # prompt + outputs
+    assert sched.sample_indices == [0, 1] and c.is_finished
     step(s, token=15)
     assert b.is_finished and b.output_token_ids == [11, 12, 14, 15] and not s.has_work()
     assert s.blocks.num_free_blocks == 4 and s.slots.num_free_slots == 2
@@ -136,8 +136,8 @@ def test_a_continuing_prefill_that_finds_no_block_waits_with_its_cache():
     x = s.add("x", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=1))
     assert step(s)[1] == [("a", 3, 0)]
     assert step(s)[1] == [("a", 1, 3), ("x", 2, 0)]
-    plan, entries, _ = step(s)  # a takes the last block; x has no room and nothing newer to preempt
-    assert entries == [("a", 1, 4)] and not plan.preempted
+    sched, entries, _ = step(s)  # a takes the last block; x has no room and nothing newer to preempt
+    assert entries == [("a", 1, 4)] and not sched.preempted
     assert x.status is SequenceStatus.RUNNING and x.num_computed_tokens == 2 and len(x.block_table) == 1
     assert step(s)[1] == [("a", 1, 5)]  # a finishes here
     assert step(s)[1] == [("x", 3, 2)]  # x carries on from its cache
@@ -149,11 +149,11 @@ def test_a_decode_that_is_the_newest_and_finds_no_block_preempts_itself():
     b = s.add("b", [4, 5], SamplingParams(max_tokens=4))
     assert step(s)[1] == [("a", 3, 0)]  # the budget holds a's prompt only
     assert step(s)[1] == [("a", 1, 3), ("b", 2, 0)]
-    plan, entries, finished = step(s)  # a takes the last block; b needs one, nothing newer: b goes
-    assert entries == [("a", 1, 4)] and plan.preempted == [b] and b.status is SequenceStatus.WAITING
+    sched, entries, finished = step(s)  # a takes the last block; b needs one, nothing newer: b goes
+    assert entries == [("a", 1, 4)] and sched.preempted == [b] and b.status is SequenceStatus.WAITING
     assert [f.request_id for f in finished] == ["a"]  # b's recompute would fit, but not in this step
-    plan, entries, _ = step(s)
-    assert entries == [("b", 3, 0)] and plan.input_ids() == [4, 5, 7]
+    sched, entries, _ = step(s)
+    assert entries == [("b", 3, 0)] and sched.input_ids() == [4, 5, 7]
 
 
 def test_stop_conditions():
@@ -169,10 +169,10 @@ def test_stop_conditions():
     seqs = {r: s.add(r, [1] * 6, p) for r, (p, _, _) in runs.items()}
     done = {}
     for i in range(12):
-        plan = s.schedule()
+        sched = s.schedule()
         toks = [runs[q.request_id][1][min(q.num_output_tokens, len(runs[q.request_id][1]) - 1)]
-                for q in plan.sample_seqs()]
-        done.update({f.request_id: f for f in s.postprocess(plan, toks)})
+                for q in sched.sample_seqs()]
+        done.update({f.request_id: f for f in s.postprocess(sched, toks)})
     for r, (_, toks, reason) in runs.items():
         assert (done[r].finish_reason, done[r].stop_reason) == reason, r
         assert done[r].output_token_ids == toks, r
@@ -222,19 +222,19 @@ def test_abort_metrics_and_misuse():
     a = s.add("a", [1, 2], SamplingParams(max_tokens=3))  # arrives at t=0
     w = s.add("w", [1], GREEDY, arrival_time=0.5)
     assert s.abort("w") and w.finish_reason == "abort" and not s.abort("nobody")
-    plan = s.schedule()
+    sched = s.schedule()
     with pytest.raises(RuntimeError, match="before postprocess"):
         s.schedule()
     with pytest.raises(ValueError, match="expected 1 sampled tokens"):
-        s.postprocess(plan, [])
-    s.postprocess(plan, [3])  # clock: arrival 0, abort 1, schedule 2, first token at 3
+        s.postprocess(sched, [])
+    s.postprocess(sched, [3])  # clock: arrival 0, abort 1, schedule 2, first token at 3
     step(s), step(s)  # clock: schedule 4, tokens at 5, schedule 6, tokens at 7
     assert a.finish_reason == "length" and a.output_token_ids == [3, 7, 7]
     assert (a.time_to_first_token, a.time_per_output_token, a.latency) == (3.0, 2.0, 7.0)
     running = s.add("r", [1, 2, 3], GREEDY)
-    plan = s.schedule()
+    sched = s.schedule()
     assert s.abort("r") and s.slots.num_free_slots == 4 and s.blocks.num_free_blocks == 16
-    assert s.postprocess(plan, [1]) and running.output_token_ids == []  # the aborted result is dropped
+    assert s.postprocess(sched, [1]) and running.output_token_ids == []  # the aborted result is dropped
 
 
 # randomized runs ---------------------------------------------------------------------------
@@ -268,27 +268,27 @@ class FakeModel:
         self.kv = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
         self.state = [None] * cfg.num_slots
 
-    def run(self, plan) -> list[int]:
-        ids, off, out = plan.input_ids(), 0, []
-        for i, n in enumerate(plan.num_tokens):
-            c, table, slot = plan.context_lens[i], plan.block_tables[i], plan.state_slots[i]
+    def run(self, sched) -> list[int]:
+        ids, off, out = sched.input_ids(), 0, []
+        for i, n in enumerate(sched.num_tokens):
+            c, table, slot = sched.context_lens[i], sched.block_tables[i], sched.state_slots[i]
             h = 0 if c == 0 else self.state[slot]  # a fresh sequence starts from zeros
             for p in range(c, c + n):
                 self.kv[table[p // self.bs]][p % self.bs] = ids[off]
                 h = (h * 31 + ids[off]) % MOD
                 off += 1
             self.state[slot] = h
-            if plan.samples[i]:
+            if sched.samples[i]:
                 kv_sum = sum(self.kv[table[p // self.bs]][p % self.bs] * (p + 1) for p in range(c + n))
                 out.append(next_token(h, kv_sum, self.vocab))
         return out
 
 
-def check_plan(s: Scheduler, plan) -> None:
+def check_step(s: Scheduler, sched) -> None:
     cfg = s.config
-    assert plan.total_tokens <= cfg.max_num_batched_tokens and len(plan) <= cfg.max_num_seqs
-    assert len({id(q) for q in plan.seqs}) == len(plan) and all(n >= 1 for n in plan.num_tokens)
-    for seq, n, c, table in zip(plan.seqs, plan.num_tokens, plan.context_lens, plan.block_tables):
+    assert sched.total_tokens <= cfg.max_num_batched_tokens and len(sched) <= cfg.max_num_seqs
+    assert len({id(q) for q in sched.seqs}) == len(sched) and all(n >= 1 for n in sched.num_tokens)
+    for seq, n, c, table in zip(sched.seqs, sched.num_tokens, sched.context_lens, sched.block_tables):
         assert seq.status is SequenceStatus.RUNNING and c == seq.num_computed_tokens
         assert c + n <= seq.num_tokens and len(table) * cfg.block_size >= c + n
 
@@ -322,11 +322,11 @@ def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int
             added.append(s.add(len(added), prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12))))
         if s.running and rng.random() < 0.01:
             s.abort(rng.choice(s.running).request_id)
-        plan = s.schedule()
-        check_plan(s, plan)
-        stats["preemptions"] += len(plan.preempted)
-        stats["chunks"] += sum(1 for x in plan.samples if not x)
-        for f in s.postprocess(plan, model.run(plan)):
+        sched = s.schedule()
+        check_step(s, sched)
+        stats["preemptions"] += len(sched.preempted)
+        stats["chunks"] += sum(1 for x in sched.samples if not x)
+        for f in s.postprocess(sched, model.run(sched)):
             assert f.request_id not in done
             done[f.request_id] = f
         check_pools(s)
