@@ -88,7 +88,8 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos)),
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
-        self._sent: dict[object, int] = {}  # request id -> output tokens already reported
+        # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
+        self._sent: dict[Sequence, int] = {}
 
     @property
     def model(self):
@@ -101,7 +102,6 @@ class EngineCore:
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self._sent[request_id] = 0
         self.scheduler.add(request_id, prompt_token_ids, params)
 
     def abort_request(self, request_id) -> bool:
@@ -132,13 +132,12 @@ class EngineCore:
         return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]
 
     def _news(self, seq: Sequence) -> EngineOutput:
-        sent = self._sent.get(seq.request_id, 0)
-        tokens = seq.output_token_ids[sent:]
+        tokens = seq.output_token_ids[self._sent.get(seq, 0):]
         text = seq.detokenizer.take() if seq.detokenizer is not None else ""
         if not seq.is_finished:
-            self._sent[seq.request_id] = seq.num_output_tokens
+            self._sent[seq] = seq.num_output_tokens
             return EngineOutput(seq.request_id, tokens, text, False)
-        self._sent.pop(seq.request_id, None)
+        self._sent.pop(seq, None)
         return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq))
 
     def _request_output(self, seq: Sequence) -> RequestOutput:

@@ -86,6 +86,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise KvstateError(f"prompts must be a string, a list of token ids, or a list of prompts, "
+                               f"got {type(prompts).__name__}")
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

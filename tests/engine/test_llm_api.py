@@ -176,3 +176,19 @@ def test_chat_uses_the_chat_template(llm):
     assert got.token_ids == llm.generate([ids], greedy(5))[0].token_ids
     two = llm.chat([messages, [{"role": "user", "content": "the quick brown"}]], greedy(5))
     assert len(two) == 2 and two[0].token_ids == got.token_ids
+
+
+def test_engine_core_reports_each_request_once_and_a_duplicate_id_alone(llm):
+    core = llm.engine
+    core.add_request("x", [1, 2, 3], greedy(4))
+    core.add_request("x", [4, 5], greedy(4))  # the id is in use: this one is rejected, "x" runs on
+    seen, finals = [], []
+    while core.has_unfinished():
+        for out in core.step():
+            assert out.request_id == "x"
+            seen += out.token_ids
+            if out.finished:
+                finals.append(out.output)
+    assert [o.finish_reason for o in finals] == ["error", "length"] and "already in use" in finals[0].error
+    assert seen == finals[1].token_ids == llm.generate([[1, 2, 3]], greedy(4))[0].token_ids
+    assert core.stats()["num_running"] == 0 and core.stats()["kv_blocks_used"] == 0
