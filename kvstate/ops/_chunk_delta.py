@@ -34,15 +34,7 @@ def sorted_initial(batch: FlatInputs, lay: ChunkLayout, shape: tuple[int, ...]) 
     """Initial states in rank order [N, HV, K, V] (zeros when none was given)."""
     if batch.s0 is None:
         return torch.zeros(batch.n_seq, *shape, dtype=batch.acc, device=batch.q.device)
-    s0 = batch.s0.to(batch.acc)
-    return s0 if lay.identity else s0[lay.order]
-
-
-def unsort_final(final: torch.Tensor, lay: ChunkLayout) -> torch.Tensor:
-    """Rank order -> sequence order."""
-    if lay.identity:
-        return final
-    return torch.empty_like(final).index_copy(0, lay.order, final)
+    return lay.by_rank(batch.s0.to(batch.acc))
 
 
 def needs_grad(*xs) -> bool:
@@ -165,7 +157,7 @@ class ChunkScan:
 
     def result(self, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(o [tot, HV, V], final state [N, HV, K, V] in sequence order, or None)."""
-        final = unsort_final(self.carry.final(), self.lay) if output_final_state else None
+        final = self.lay.by_sequence(self.carry.final()) if output_final_state else None
         if self.s_dst is not None and final is not self.s_dst:
             self.s_dst.copy_(final)
         return self.out.result(), final

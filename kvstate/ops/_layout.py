@@ -57,6 +57,14 @@ class ChunkLayout:
         first = torch.tensor([f for f, _ in self.steps], **long)  # [J] first slot of each step
         return first[p // self.chunk] + self.rank[seq_of_tok], p % self.chunk
 
+    def by_rank(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows [N, ...] in sequence order -> rank order (x itself when the order is the identity)."""
+        return x if self.identity else x.index_select(0, self.order)
+
+    def by_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows [N, ...] in rank order -> sequence order (the inverse of `by_rank`)."""
+        return x if self.identity else torch.empty_like(x).index_copy(0, self.order, x)
+
     def run_start(self, s0: int, s1: int) -> int | None:
         """First token if slots s0..s1 cover one contiguous token range without padding, else None."""
         key = (s0, s1)

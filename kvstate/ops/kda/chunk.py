@@ -68,7 +68,7 @@ def _forward(x: FlatInputs, lay: ChunkLayout, v, g, beta, state, *, l2: bool, gr
     tot, hv, dk = g.shape
     dv, c = v.shape[-1], lay.chunk
     o = v.new_empty(tot + 1, hv, dv)  # row `tot` takes the padding positions
-    S = state.index_select(0, lay.order).reshape(-1, dk, dv)  # [N * HV, K, V], rows in scan order
+    S = lay.by_rank(state).reshape(-1, dk, dv)  # [N * HV, K, V], rows in scan order
     heads = torch.arange(hv, device=v.device)[None, :, None]  # [1, HV, 1]
     kheads = heads // (hv // x.q.shape[1])  # the key head serving each value head
     done = []
@@ -86,9 +86,8 @@ def _forward(x: FlatInputs, lay: ChunkLayout, v, g, beta, state, *, l2: bool, gr
         o_slab, S, finished = _slab(*ys, S, sizes, hv)
         done += finished
         o.index_put_((torch.where(valid, tok, tot), heads), o_slab.view(-1, hv, c, dv))
-    final = torch.cat([S] + done[::-1]) if lay.steps else S  # rows in scan order
-    inverse = torch.argsort(lay.order)
-    return o[:tot], final.view(-1, hv, dk, dv).index_select(0, inverse)
+    final = torch.cat([S] + done[::-1]) if lay.steps else S.clone()  # rows in scan order (never the input)
+    return o[:tot], lay.by_sequence(final.view(-1, hv, dk, dv))
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
