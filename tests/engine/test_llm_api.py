@@ -192,3 +192,17 @@ def test_engine_core_reports_each_request_once_and_a_duplicate_id_alone(llm):
     assert [o.finish_reason for o in finals] == ["error", "length"] and "already in use" in finals[0].error
     assert seen == finals[1].token_ids == llm.generate([[1, 2, 3]], greedy(4))[0].token_ids
     assert core.stats()["num_running"] == 0 and core.stats()["kv_blocks_used"] == 0
+
+
+def test_llm_takes_a_hub_id(checkpoint, llm, tmp_path, monkeypatch):
+    """A hub id resolves (offline, through huggingface_hub's cache) to the checkpoint and its tokenizer."""
+    from huggingface_hub import constants
+
+    from tests.hub_cache import populate_from_dir
+
+    populate_from_dir(tmp_path / "hub", "org/api-tiny", checkpoint[0])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub = LLM("org/api-tiny", cache_memory="16MiB")
+    assert hub.tokenizer is not None
+    assert hub.generate("the quick brown", greedy(5))[0].text == llm.generate("the quick brown", greedy(5))[0].text
