@@ -210,7 +210,7 @@ def _text(data):
 
 
 BAD = [
-    ("qwen3.5-0.8b", lambda d: _text(d).pop("linear_num_value_heads"), "text_config.linear_num_value_heads", "missing"),
+    ("kimi-linear-48b-a3b", lambda d: d.pop("linear_attn_config"), "linear_attn_config", "missing"),
     ("qwen3.5-0.8b", lambda d: _text(d).update(linear_key_head_dim=0), "text_config.linear_key_head_dim", "positive"),
     ("qwen3.5-0.8b", lambda d: _text(d).update(num_key_value_heads=-2), "num_key_value_heads", "positive"),
     ("qwen3.5-0.8b", lambda d: _text(d).update(head_dim=True), "head_dim", "integer"),
@@ -218,8 +218,7 @@ BAD = [
     ("qwen3.5-0.8b", lambda d: _text(d)["layer_types"].__setitem__(5, "sliding"), "layer_types", "entry 5"),
     ("qwen3.5-0.8b", lambda d: _text(d).update(mamba_ssm_dtype="float7"), "mamba_ssm_dtype", "unknown dtype"),
     ("qwen3.5-0.8b", lambda d: d.update(text_config=[]), "text_config", "must be an object"),
-    ("qwen3-next-80b-a3b", lambda d: d.pop("full_attention_interval"), "layer_types | full_attention_interval",
-     "missing"),
+    ("qwen3-next-80b-a3b", lambda d: d.update(full_attention_interval=0), "full_attention_interval", "positive"),
     ("llama-3.1-8b", lambda d: d.update(model_type="gpt_bigcode"), "model_type", "supported: "),
     ("llama-3.1-8b", lambda d: d.pop("model_type"), "model_type", "missing"),
     ("llama-3.1-8b", lambda d: d.update(hidden_size=4095), "head_dim", "not divisible"),
@@ -232,8 +231,7 @@ BAD = [
      "unknown block letters"),
     ("nemotron-nano-9b-v2", lambda d: d.update(num_hidden_layers=52), "hybrid_override_pattern",
      "num_hidden_layers is 52"),
-    ("nemotron-nano-9b-v2", lambda d: d.pop("ssm_state_size"), "ssm_state_size | mamba_state_dim | mamba_d_state",
-     "missing"),
+    ("nemotron-nano-9b-v2", lambda d: d.update(ssm_state_size="big"), "ssm_state_size", "integer"),
     ("jamba-v0.1", lambda d: d.update(attn_layer_offset=8), "attn_layer_offset", "smaller than"),
     ("jamba-v0.1", lambda d: d.update(mamba_d_state=2.5), "mamba_d_state", "integer"),
 ]

@@ -4,13 +4,16 @@ Family adapters read every field through a `ConfigView`, so a missing, mistyped,
 negative field becomes one KvstateError line such as
     `model/config.json: field 'text_config.linear_num_value_heads': missing`.
 Getters take several names where exports spell a field differently (Nemotron-H's
-`ssm_state_size | mamba_state_dim | mamba_d_state`); the first present one wins.
+`ssm_state_size | mamba_state_dim | mamba_d_state`); the first present one wins. A field the
+config leaves out is read with transformers' default for its model_type (kvstate.config.defaults)
+before any default the caller gives: a config transformers loads is read the same way.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from kvstate.config.defaults import defaults_for, sub_config_type
 from kvstate.config.dtypes import canonical_dtype, known_dtypes
 from kvstate.errors import KvstateError
 
@@ -20,10 +23,13 @@ _MISSING: Any = object()
 class ConfigView:
     """A read-only view of one (possibly nested) config dict plus where it came from."""
 
-    def __init__(self, data: Mapping[str, Any], source: str, prefix: str = "") -> None:
+    def __init__(self, data: Mapping[str, Any], source: str, prefix: str = "",
+                 defaults: Mapping[str, Any] | None = None) -> None:
         self.data = data
         self.source = source  # file path or bundled name, used in every message
         self.prefix = prefix  # "text_config." for a nested sub-config
+        # transformers' defaults for fields left out (by the config's own model_type unless given)
+        self.defaults = defaults_for(data.get("model_type")) if defaults is None else defaults
 
     # -- errors ---------------------------------------------------------------------------
     def error(self, names: str | tuple[str, ...], message: str) -> KvstateError:
@@ -37,10 +43,14 @@ class ConfigView:
         return any(self.data.get(n) is not None for n in names)
 
     def raw(self, *names: str, default: Any = _MISSING) -> Any:
-        """The first non-null value among `names`; `default` if none (KvstateError if no default)."""
+        """The first non-null value among `names`; else transformers' default for one of them;
+        else `default` (KvstateError if there is none)."""
         for n in names:
             if self.data.get(n) is not None:
                 return self.data[n]
+        for n in names:
+            if n in self.defaults:
+                return self.defaults[n]
         if default is _MISSING:
             raise self.error(names, "missing")
         return default
@@ -106,7 +116,9 @@ class ConfigView:
         value = self.raw(name)
         if not isinstance(value, Mapping):
             raise self.error(name, f"must be an object, got {type(value).__name__}")
-        return ConfigView(value, self.source, f"{self.prefix}{name}.")
+        # a nested config's defaults: by its own model_type, else the one transformers nests there
+        sub_type = value.get("model_type") or sub_config_type(self.data.get("model_type"), name)
+        return ConfigView(value, self.source, f"{self.prefix}{name}.", defaults_for(sub_type))
 
     def layer_count_check(self, names: tuple[str, ...], got: int, what: str) -> None:
         """Raise if `num_hidden_layers` (when present) disagrees with a layer list of length `got`."""

@@ -40,9 +40,8 @@ def attention(cfg: ConfigView, output_gate: bool = False, head_dim_keys: tuple[s
     head_dim to hidden_size / num_attention_heads, as in transformers."""
     heads = cfg.int("num_attention_heads")
     kv_heads = cfg.int("num_key_value_heads", default=heads)
-    if cfg.has(*head_dim_keys):
-        head_dim = cfg.int(*head_dim_keys)
-    else:
+    head_dim = cfg.int(*head_dim_keys, default=None)  # given, or transformers' default (Qwen3-Next: 256)
+    if head_dim is None:
         hidden = cfg.int("hidden_size")
         if hidden % heads:
             raise cfg.error(head_dim_keys, f"missing, and hidden_size {hidden} is not divisible by "

@@ -30,7 +30,6 @@ PATTERN_WORDS = {"M": "linear", "*": "full", "-": "mlp", "E": "moe"}
 D_STATE = ("ssm_state_size", "mamba_state_dim", "mamba_d_state")
 N_GROUPS = ("n_groups", "mamba_num_groups", "mamba_n_groups")
 CONV = ("conv_kernel", "mamba_d_conv")
-EXPAND = ("expand", "mamba_expand")
 
 
 def _blocks(cfg: ConfigView) -> list[str]:
@@ -47,16 +46,9 @@ def _blocks(cfg: ConfigView) -> list[str]:
 
 
 def _mamba(cfg: ConfigView) -> Mamba2Spec:
-    heads = cfg.int("mamba_num_heads")
-    if cfg.has("mamba_head_dim"):
-        head_dim = cfg.int("mamba_head_dim")
-    else:  # older exports: d_inner = expand x hidden split over the heads
-        d_inner = cfg.int(*EXPAND) * cfg.int("hidden_size")
-        if d_inner % heads:
-            raise cfg.error("mamba_head_dim", f"missing, and expand x hidden_size {d_inner} is not divisible by "
-                            f"mamba_num_heads {heads}")
-        head_dim = d_inner // heads
-    return Mamba2Spec(heads, head_dim, cfg.int(*D_STATE), cfg.int(*N_GROUPS), cfg.int(*CONV))
+    # mamba_head_dim left out: transformers' default (64), not expand x hidden / heads
+    return Mamba2Spec(cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim"), cfg.int(*D_STATE), cfg.int(*N_GROUPS),
+                      cfg.int(*CONV))
 
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:

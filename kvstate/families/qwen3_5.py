@@ -28,7 +28,7 @@ def text_view(cfg: ConfigView, model_type: str) -> ConfigView:
     merged.update(text.data)
     if cfg.data.get("tie_word_embeddings") is not None:
         merged["tie_word_embeddings"] = cfg.data["tie_word_embeddings"]
-    return ConfigView(merged, cfg.source, text.prefix)
+    return ConfigView(merged, cfg.source, text.prefix, text.defaults)
 
 
 def gated_deltanet(cfg: ConfigView) -> GatedDeltaNetSpec:
