@@ -28,27 +28,6 @@ std::vector<std::string> isas() {
   return out;
 }
 
-// x [M, K] -> xp [M, Kp], zero-padded to whole blocks of 2 * lanes. For bf16 weights each block
-// is reordered [x0 x2 x4 ... | x1 x3 x5 ...] so that it lines up with the even / odd halves of
-// the 32-bit words the kernel widens the weights from.
-void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, int lanes, bool bf16, float* xp) {
-  const int block = 2 * lanes;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = x + m * K;
-    float* dst = xp + m * Kp;
-    if (!bf16) {
-      std::copy(src, src + K, dst);
-      std::fill(dst + K, dst + Kp, 0.f);
-      continue;
-    }
-    for (int64_t b = 0; b < Kp; b += block)
-      for (int i = 0; i < block; ++i) {
-        const int64_t k = b + i;
-        dst[b + (i % 2) * lanes + i / 2] = k < K ? src[k] : 0.f;
-      }
-  }
-}
-
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate gemv: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate gemv: x must be float32 [M, K]");
@@ -79,7 +58,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   auto xp = at::empty({M, Kp}, x.options());
   {
     pybind11::gil_scoped_release no_gil;
-    prepare_x(x.data_ptr<float>(), M, K, Kp, lanes, bf16, xp.data_ptr<float>());
+    if (wide)
+      kvstate::avx512::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
+    else
+      kvstate::avx2::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
     const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N};
     // Work items are blocks of 4 W rows; a thread gets at least ~64 KiB of weights so that tiny
     // matrices do not pay for waking threads.

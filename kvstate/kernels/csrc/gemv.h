@@ -8,7 +8,7 @@ namespace kvstate {
 
 struct GemvArgs {
   const float* x;     // [M, Kp]: x zero-padded to Kp; for bf16 weights each block of 2*lanes is
-                      // stored as [even lanes | odd lanes] (see prepare_x in gemv.cpp)
+                      // stored as [even lanes | odd lanes] (see prepare_x)
   int64_t M, K, Kp;
   const void* w;      // [N, K] row-major, float or bf16 bits (uint16)
   bool bf16;
@@ -17,13 +17,16 @@ struct GemvArgs {
   int64_t N;
 };
 
-// Each ISA computes the output columns [n0, n1) for every row of x.
+// Per ISA: prepare_x lays x out for the kernel (Kp = K rounded up to 2 * kLanes); rows computes
+// the output columns [n0, n1) for every row of x.
 namespace avx512 {
 constexpr int kLanes = 16;
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp);
 void rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx512
 namespace avx2 {
 constexpr int kLanes = 8;
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp);
 void rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 

@@ -43,6 +43,14 @@ struct Isa {
   static V even(Raw r) { return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)); }
   static V odd(Raw r) { return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)))); }
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  // src[0:16] -> dst[0:8] = even elements, dst[8:16] = odd ones.
+  static void deinterleave(const float* src, float* dst) {
+    const V a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + L);
+    // shuffle_ps works per 128-bit lane: [a0 a2 b0 b2 | a4 a6 b4 b6]; then order the 64-bit pairs.
+    const V e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    _mm256_storeu_ps(dst, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0))));
+    _mm256_storeu_ps(dst + L, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0))));
+  }
 };
 
 #include "gemv_tile.h"

@@ -32,6 +32,14 @@ struct Isa {
   static V even(Raw r) { return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)); }
   static V odd(Raw r) { return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)))); }
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  // src[0:32] -> dst[0:16] = even elements, dst[16:32] = odd ones.
+  static void deinterleave(const float* src, float* dst) {
+    const V a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + L);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(dst + L, _mm512_permutex2var_ps(a, odd, b));
+  }
 };
 
 #include "gemv_tile.h"

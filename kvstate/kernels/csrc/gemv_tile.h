@@ -1,7 +1,7 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
 // (V, L, kMaxMT, zero, fma, load, reduce, wf32, wf32_tail, Raw, wbf16, wbf16_tail, even, odd,
-// prefetch). Deliberately no includes: the including file provides <algorithm> and <cstdint>.
+// prefetch, deinterleave). Deliberately no includes: the including file provides <algorithm> and <cstdint>.
 //
 // Shape of the work: the W rows of one call are streamed once from memory. A register tile is R
 // output columns (W rows) x MT rows of x; all M rows of x are served from the same W block,
@@ -10,7 +10,7 @@
 using V = Isa::V;
 constexpr int kMaxR = 4;                  // W rows per register tile
 constexpr int kGroupM = 16;               // x rows per pass over a W block (accumulators on the stack)
-constexpr int64_t kTileBytes = 4096;      // bytes of one W row per K tile (4 rows: 16 KiB, in L1)
+constexpr int64_t kTileBytes = 32 << 10;  // a K tile of the W block and of the x group stays in L1
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of the stream the first pass prefetches
 
 // One step of K for an R x MT tile: fp32 W, L elements.
@@ -102,13 +102,38 @@ struct TileTable {
   }
 };
 
+// x [M, K] -> xp [M, Kp], zero-padded to whole blocks of 2L. For bf16 weights each block is
+// reordered [x0 x2 x4 ... | x1 x3 x5 ...] to line up with the even / odd halves of the 32-bit
+// words the weights are widened from (step_bf16).
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp) {
+  constexpr int B = 2 * Isa::L;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * K;
+    float* dst = xp + m * Kp;
+    if (!bf16) {
+      std::copy(src, src + K, dst);
+      std::fill(dst + K, dst + Kp, 0.f);
+      continue;
+    }
+    int64_t b = 0;
+    for (; b + B <= K; b += B) Isa::deinterleave(src + b, dst + b);
+    if (b < Kp) {
+      float tail[B] = {};
+      std::copy(src + b, src + K, tail);
+      Isa::deinterleave(tail, dst + b);
+    }
+  }
+}
+
 void rows(const GemvArgs& a, int64_t n0, int64_t n1) {
   static const TileTable<false> f32_tiles;
   static const TileTable<true> bf16_tiles;
   const auto& table = a.bf16 ? bf16_tiles.fn : f32_tiles.fn;
   const int64_t elt = a.bf16 ? 2 : 4;
   const int64_t step = a.bf16 ? 2 * Isa::L : Isa::L;
-  const int64_t kt = std::max<int64_t>(step, kTileBytes / elt / step * step);  // K elements per tile
+  // K elements per tile: W [kMaxR, kt] + x [min(M, kGroupM), kt] fit in kTileBytes.
+  const int64_t per_k = kMaxR * elt + std::min<int64_t>(a.M, kGroupM) * int64_t(sizeof(float));
+  const int64_t kt = std::max<int64_t>(step, kTileBytes / per_k / step * step);
   const char* w = static_cast<const char*>(a.w);
   V acc[kGroupM * kMaxR];
   for (int64_t nb = n0; nb < n1; nb += kMaxR) {
