@@ -30,11 +30,11 @@ def decay_mask(b: torch.Tensor) -> torch.Tensor:
     return (b[..., :, None] - b[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
 
 
-def sorted_initial(batch: FlatInputs, lay: ChunkLayout, shape: tuple[int, ...]) -> torch.Tensor:
+def sorted_initial(flat: FlatInputs, lay: ChunkLayout, shape: tuple[int, ...]) -> torch.Tensor:
     """Initial states in rank order [N, HV, K, V] (zeros when none was given)."""
-    if batch.s0 is None:
-        return torch.zeros(batch.n_seq, *shape, dtype=batch.acc, device=batch.q.device)
-    return lay.by_rank(batch.s0.to(batch.acc))
+    if flat.s0 is None:
+        return torch.zeros(flat.n_seq, *shape, dtype=flat.acc, device=flat.q.device)
+    return lay.by_rank(flat.s0.to(flat.acc))
 
 
 def needs_grad(*xs) -> bool:
@@ -130,25 +130,25 @@ class ChunkScan:
     block of chunks and for one step of the scan; this is what they share.
     """
 
-    def __init__(self, batch: FlatInputs, chunk_size: int, grad: bool, o_dst: torch.Tensor | None,
+    def __init__(self, flat: FlatInputs, chunk_size: int, grad: bool, o_dst: torch.Tensor | None,
                  s_dst: torch.Tensor | None):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        _, hv, dk, dv = batch.dims
-        dev = batch.q.device
-        self.batch, self.grad, self.s_dst = batch, grad, s_dst
-        self.lay = chunk_layout(batch.lens, batch.starts, chunk_size, dev)
-        self.carry = Carry(sorted_initial(batch, self.lay, (hv, dk, dv)), self.lay, grad, s_dst)
-        self.out = Output(self.lay, batch.q.shape[0], hv, dv, batch.dtype, batch.acc, dev, grad, o_dst)
+        _, hv, dk, dv = flat.dims
+        dev = flat.q.device
+        self.flat, self.grad, self.s_dst = flat, grad, s_dst
+        self.lay = chunk_layout(flat.lens, flat.starts, chunk_size, dev)
+        self.carry = Carry(sorted_initial(flat, self.lay, (hv, dk, dv)), self.lay, grad, s_dst)
+        self.out = Output(self.lay, flat.q.shape[0], hv, dv, flat.dtype, flat.acc, dev, grad, o_dst)
 
     def gather(self, x: torch.Tensor, s0: int, n: int) -> torch.Tensor:
         """Tokens [tot, H, *D] -> chunks [n, H, C, *D] of slots s0..s0+n in the accumulation dtype."""
-        return gather(x, self.lay, s0, s0 + n, self.batch.acc)
+        return gather(x, self.lay, s0, s0 + n, self.flat.acc)
 
     def blocks(self, budget: int, l2: bool):
         """Per block of about `budget` bytes of [slots, HV, C, max(K, V)] temporaries, yields
         (first slot, slots n, steps for Carry.run, q, k [n, H, C, K], v [n, H, G, C, V])."""
-        b, c = self.batch, self.lay.chunk
+        b, c = self.flat, self.lay.chunk
         h, hv, dk, dv = b.dims
         for s0, s1, steps in self.lay.blocks(hv * c * max(dk, dv) * 4, budget):
             n = s1 - s0
@@ -163,34 +163,34 @@ class ChunkScan:
         return self.out.result(), final
 
 
-def split_heads(batch: FlatInputs, h0: int, h1: int) -> FlatInputs:
-    """The part of the batch with key heads h0..h1 and their value heads (views, no copies)."""
-    grp = batch.dims[1] // batch.dims[0]
+def split_heads(flat: FlatInputs, h0: int, h1: int) -> FlatInputs:
+    """The part of the inputs with key heads h0..h1 and their value heads (views, no copies)."""
+    grp = flat.dims[1] // flat.dims[0]
     hv = slice(h0 * grp, h1 * grp)
     cut = lambda x: None if x is None else x[:, hv]  # noqa: E731
-    return replace(batch, q=batch.q[:, h0:h1], k=batch.k[:, h0:h1], v=batch.v[:, hv], g=cut(batch.g),
-                   beta=cut(batch.beta), s0=cut(batch.s0), out_shape=(*batch.out_shape[:2], (h1 - h0) * grp,
-                                                                       batch.out_shape[3]))
+    return replace(flat, q=flat.q[:, h0:h1], k=flat.k[:, h0:h1], v=flat.v[:, hv], g=cut(flat.g),
+                   beta=cut(flat.beta), s0=cut(flat.s0), out_shape=(*flat.out_shape[:2], (h1 - h0) * grp,
+                                                                       flat.out_shape[3]))
 
 
-def run_split(batch: FlatInputs, kernel, *, output_final_state: bool, **kernel_kw):
-    """Run kernel(batch, o_dst, s_dst, output_final_state, grad=..., **kernel_kw) -> (o [tot, HV, V],
+def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, **kernel_kw):
+    """Run kernel(flat, o_dst, s_dst, output_final_state, grad=..., **kernel_kw) -> (o [tot, HV, V],
     final or None), in parallel over key-head groups when the call is big enough and autograd does
     not record (kvstate/ops/_threads.py).
 
     Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None).
     """
-    h, hv, dk, dv = batch.dims
-    grad = needs_grad(batch.q, batch.k, batch.v, batch.g, batch.beta, batch.s0)
+    h, hv, dk, dv = flat.dims
+    grad = needs_grad(flat.q, flat.k, flat.v, flat.g, flat.beta, flat.s0)
     kernel = partial(kernel, grad=grad, **kernel_kw)
-    with _threads.scope(batch.q.shape[0] * hv * dk * dv, h, serial=not grad) as n_work:
+    with _threads.scope(flat.q.shape[0] * hv * dk * dv, h, serial=not grad) as n_work:
         if n_work == 1:
-            o, final = kernel(batch, None, None, output_final_state)
-            return o.to(batch.dtype).view(batch.out_shape), final
-        grp, dev = hv // h, batch.q.device
-        o = torch.empty(batch.q.shape[0], hv, dv, dtype=batch.dtype, device=dev)
-        final = torch.empty(batch.n_seq, hv, dk, dv, dtype=batch.acc, device=dev) if output_final_state else None
-        _threads.run([partial(kernel, split_heads(batch, a, b), o[:, a * grp:b * grp],
+            o, final = kernel(flat, None, None, output_final_state)
+            return o.to(flat.dtype).view(flat.out_shape), final
+        grp, dev = hv // h, flat.q.device
+        o = torch.empty(flat.q.shape[0], hv, dv, dtype=flat.dtype, device=dev)
+        final = torch.empty(flat.n_seq, hv, dk, dv, dtype=flat.acc, device=dev) if output_final_state else None
+        _threads.run([partial(kernel, split_heads(flat, a, b), o[:, a * grp:b * grp],
                               None if final is None else final[:, a * grp:b * grp], output_final_state)
                       for a, b in _threads.split(h, n_work)])
-    return o.view(batch.out_shape), final
+    return o.view(flat.out_shape), final

@@ -37,41 +37,41 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None). Any chunk_size
     works; 32 is the fastest on CPU (fla's GPU kernels use 64) and keeps the triangular systems small.
     """
-    batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True)
-    return run_split(batch, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
+    return run_split(flat, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
                      chunk_size=chunk_size)
 
 
-def chunk_delta(batch: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
-    """The kernel behind chunk_gated_delta_rule and chunk_delta_rule (batch.g None: no decay).
+def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+    """The kernel behind chunk_gated_delta_rule and chunk_delta_rule (flat.g None: no decay).
 
     Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
     """
-    scan = ChunkScan(batch, chunk_size, grad, o_dst, s_dst)
-    h, hv, dk, dv = batch.dims
-    grp, c, acc, out = hv // h, chunk_size, batch.acc, scan.out
-    eye = torch.eye(c, dtype=acc, device=batch.q.device)
+    scan = ChunkScan(flat, chunk_size, grad, o_dst, s_dst)
+    h, hv, dk, dv = flat.dims
+    grp, c, acc, out = hv // h, chunk_size, flat.acc, scan.out
+    eye = torch.eye(c, dtype=acc, device=flat.q.device)
     for s0, n, steps, qc, kc, vc in scan.blocks(BLOCK_BYTES, l2):
-        bt = scan.gather(batch.beta, s0, n).view(n, h, grp, c)
+        bt = scan.gather(flat.beta, s0, n).view(n, h, grp, c)
         qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
         kk = (kc @ kc.transpose(-1, -2)).unsqueeze(2)
-        if batch.g is None:
+        if flat.g is None:
             # L_tj = beta_t k_t.k_j; only its strict lower triangle is read by the unit-triangular solve
             tinv = torch.linalg.solve_triangular(kk * bt.unsqueeze(-1), eye, upper=False, unitriangular=True)
             tk = tv = tinv * bt.unsqueeze(-2)  # (I + L)^-1 diag(beta): [n, H, G, C, C]
-            attn = (qk * batch.scale).tril().expand(n, h, grp, c, c)
-            qd = (qc * batch.scale).unsqueeze(2).expand(n, h, grp, c, dk)
+            attn = (qk * flat.scale).tril().expand(n, h, grp, c, c)
+            qd = (qc * flat.scale).unsqueeze(2).expand(n, h, grp, c, dk)
             kd, dec = kc.unsqueeze(2).expand(n, h, grp, c, dk), None
         else:
-            b = scan.gather(batch.g, s0, n).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
+            b = scan.gather(flat.g, s0, n).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
             gam = decay_mask(b)  # [n, H, G, C, C]
             eb = b.exp()
             tinv = torch.linalg.solve_triangular(kk * gam * bt.unsqueeze(-1), eye, upper=False, unitriangular=True)
             tv = tinv * bt.unsqueeze(-2)
             tk = tv * eb.unsqueeze(-2)  # (I + L)^-1 diag(beta e^b)
-            attn = (qk * batch.scale) * gam
-            qd = qc.unsqueeze(2) * (eb * batch.scale).unsqueeze(-1)  # [n, H, G, C, K]
+            attn = (qk * flat.scale) * gam
+            qd = qc.unsqueeze(2) * (eb * flat.scale).unsqueeze(-1)  # [n, H, G, C, K]
             kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
             dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
         u = tv @ vc  # [n, H, G, C, V]

@@ -25,30 +25,30 @@ def naive_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None).
     """
-    batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True)
-    return naive_recurrence(batch, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
+    return naive_recurrence(flat, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
 
 
-def naive_recurrence(batch: FlatInputs, *, l2: bool, output_final_state: bool):
-    """The per-token loop of every q/k/v op: the delta write when batch.beta is given, else the plain
+def naive_recurrence(flat: FlatInputs, *, l2: bool, output_final_state: bool):
+    """The per-token loop of every q/k/v op: the delta write when flat.beta is given, else the plain
     write S <- S + k v^T (linear attention); g per value head [tot, HV] or per channel [tot, HV, K] (KDA).
 
     Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None).
     """
-    h, hv, dk, dv = batch.dims
-    acc = batch.acc
-    qf, kf = normalize_qk(batch.q, batch.k, acc, l2, scale=batch.scale)
+    h, hv, dk, dv = flat.dims
+    acc = flat.acc
+    qf, kf = normalize_qk(flat.q, flat.k, acc, l2, scale=flat.scale)
     qf, kf = repeat_heads(qf, hv, dim=1), repeat_heads(kf, hv, dim=1)  # [tot, HV, K]
-    vf = batch.v.to(acc)
-    bf = None if batch.beta is None else batch.beta.to(acc)
+    vf = flat.v.to(acc)
+    bf = None if flat.beta is None else flat.beta.to(acc)
     decay = None  # of the state rows: [tot, HV, 1, 1] per head, [tot, HV, K, 1] per channel
-    if batch.g is not None:
-        decay = batch.g.to(acc).exp().reshape(vf.shape[0], hv, dk if batch.g.dim() == 3 else 1, 1)
+    if flat.g is not None:
+        decay = flat.g.to(acc).exp().reshape(vf.shape[0], hv, dk if flat.g.dim() == 3 else 1, 1)
     o = torch.empty_like(vf)
     finals = []
-    for i, (start, n) in enumerate(zip(batch.starts, batch.lens)):
-        s = torch.zeros(hv, dk, dv, dtype=acc, device=vf.device) if batch.s0 is None else batch.s0[i].to(acc)
+    for i, (start, n) in enumerate(zip(flat.starts, flat.lens)):
+        s = torch.zeros(hv, dk, dv, dtype=acc, device=vf.device) if flat.s0 is None else flat.s0[i].to(acc)
         for t in range(start, start + n):
             if decay is not None:
                 s = s * decay[t]
@@ -57,4 +57,4 @@ def naive_recurrence(batch: FlatInputs, *, l2: bool, output_final_state: bool):
             o[t] = torch.einsum("hkv,hk->hv", s, qf[t])
         finals.append(s)
     final = torch.stack(finals) if finals else vf.new_zeros(0, hv, dk, dv)
-    return o.to(batch.dtype).view(batch.out_shape), (final if output_final_state else None)
+    return o.to(flat.dtype).view(flat.out_shape), (final if output_final_state else None)

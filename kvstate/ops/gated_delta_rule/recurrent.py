@@ -26,18 +26,18 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
     Returns (o, final_state) or, with output_all_states, (o, final_state, all_states [B, T, HV, K, V]).
     final_state is None unless output_final_state or inplace_final_state (then it is initial_state).
     """
-    batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, pool=state_indices is not None)
 
     def build(qf, kf):  # [tot, H, K]: normalized, q scaled
-        h, hv, dk, dv = batch.dims
-        acc = batch.acc
+        h, hv, dk, dv = flat.dims
+        acc = flat.acc
         # per (token, value head) row: k and scaled q [rows, 2, K], k . q [rows, 1]
         kq = repeat_heads(torch.stack([kf, qf], dim=2), hv, dim=1).flatten(0, 1)
         kdq = repeat_heads((kf * qf).sum(-1), hv, dim=1).reshape(-1, 1)
-        bt = batch.beta.to(acc).reshape(-1, 1)  # [rows, 1]
-        bv = batch.v.to(acc).flatten(0, 1) * bt  # [rows, V]
-        a = None if batch.g is None else batch.g.to(acc).exp().reshape(-1, 1, 1)  # [rows, 1, 1]
+        bt = flat.beta.to(acc).reshape(-1, 1)  # [rows, 1]
+        bv = flat.v.to(acc).flatten(0, 1) * bt  # [rows, V]
+        a = None if flat.g is None else flat.g.to(acc).exp().reshape(-1, 1, 1)  # [rows, 1, 1]
         o = torch.empty(kq.shape[0], dv, dtype=acc, device=kq.device)
 
         def step(r0, r1, s_in, s_out):
@@ -53,6 +53,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
 
         return step, o
 
-    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+    return drv.run(flat, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
                    state_indices=state_indices)

@@ -28,31 +28,31 @@ def chunk_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=N
 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None).
     """
-    batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False)
-    return run_split(batch, chunk_gla, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
+    return run_split(flat, chunk_gla, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
                      chunk_size=chunk_size)
 
 
-def chunk_gla(batch: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+def chunk_gla(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
     """The kernel behind chunk_gated_linear_attention, chunk_linear_attention and chunk_ssd.
 
     Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
     """
-    scan = ChunkScan(batch, chunk_size, grad, o_dst, s_dst)
-    h, hv, dk, dv = batch.dims
-    grp, c, acc, out = hv // h, chunk_size, batch.acc, scan.out
+    scan = ChunkScan(flat, chunk_size, grad, o_dst, s_dst)
+    h, hv, dk, dv = flat.dims
+    grp, c, acc, out = hv // h, chunk_size, flat.acc, scan.out
     for s0, n, steps, qc, kc, vc in scan.blocks(BLOCK_BYTES, l2):
         qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
-        if batch.g is None:
-            attn = (qk * batch.scale).tril().expand(n, h, grp, c, c)
-            qd = (qc * batch.scale).unsqueeze(2).expand(n, h, grp, c, dk)
+        if flat.g is None:
+            attn = (qk * flat.scale).tril().expand(n, h, grp, c, c)
+            qd = (qc * flat.scale).unsqueeze(2).expand(n, h, grp, c, dk)
             kd, dec = kc.unsqueeze(2).expand(n, h, grp, c, dk), None
         else:
-            b = scan.gather(batch.g, s0, n).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
+            b = scan.gather(flat.g, s0, n).view(n, h, grp, c).cumsum(-1)  # cumulative log decay
             eb = b.exp()
-            attn = (qk * batch.scale) * decay_mask(b)  # [n, H, G, C, C]
-            qd = qc.unsqueeze(2) * (eb * batch.scale).unsqueeze(-1)  # [n, H, G, C, K]
+            attn = (qk * flat.scale) * decay_mask(b)  # [n, H, G, C, C]
+            qd = qc.unsqueeze(2) * (eb * flat.scale).unsqueeze(-1)  # [n, H, G, C, K]
             kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
             dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
 

@@ -20,17 +20,17 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
 
     Returns (o, final_state) or, with output_all_states, (o, final_state, all_states [B, T, HV, K, V]).
     """
-    batch = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=False, pool=state_indices is not None)
 
     def build(qf, kf):  # [tot, H, K]: normalized, q scaled
-        h, hv, dk, dv = batch.dims
-        acc = batch.acc
+        h, hv, dk, dv = flat.dims
+        acc = flat.acc
         # per (token, value head) row: scaled q [rows, 1, K], k [rows, K, 1], v [rows, 1, V]
         qs = repeat_heads(qf, hv, dim=1).reshape(-1, 1, dk)
         kc = repeat_heads(kf, hv, dim=1).reshape(-1, dk, 1)
-        vr = batch.v.to(acc).reshape(-1, 1, dv)
-        a = None if batch.g is None else batch.g.to(acc).exp().reshape(-1, 1, 1)  # [rows, 1, 1]
+        vr = flat.v.to(acc).reshape(-1, 1, dv)
+        a = None if flat.g is None else flat.g.to(acc).exp().reshape(-1, 1, 1)  # [rows, 1, 1]
         o = torch.empty(qs.shape[0], 1, dv, dtype=acc, device=qs.device)
 
         def step(r0, r1, s_in, s_out):
@@ -44,6 +44,6 @@ def recurrent_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_sta
 
         return step, o
 
-    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+    return drv.run(flat, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
                    state_indices=state_indices)

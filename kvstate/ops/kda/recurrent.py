@@ -36,18 +36,18 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     Returns (o, final_state) or, with output_all_states, (o, final_state, all_states).
     final_state is None unless output_final_state or inplace_final_state (then it is initial_state).
     """
-    batch = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+    flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True, g_shape="channel", pool=state_indices is not None)
 
     def build(qf, kf):  # [tot, H, K]: normalized, q scaled
-        h, hv, dk, dv = batch.dims
-        acc = batch.acc
+        h, hv, dk, dv = flat.dims
+        acc = flat.acc
         qn, kn = repeat_heads(qf, hv, dim=1).flatten(0, 1), repeat_heads(kf, hv, dim=1).flatten(0, 1)  # [rows, K]
-        e = batch.g.to(acc).flatten(0, 1).exp()  # [rows, K]
+        e = flat.g.to(acc).flatten(0, 1).exp()  # [rows, K]
         ekq = torch.stack([e * kn, e * qn], dim=1)  # [rows, 2, K]: e k and e q
         kdq = (kn * qn).sum(-1, keepdim=True)  # [rows, 1]: k . q
-        bt = batch.beta.to(acc).reshape(-1, 1)  # [rows, 1]
-        bv = batch.v.to(acc).flatten(0, 1) * bt  # [rows, V]
+        bt = flat.beta.to(acc).reshape(-1, 1)  # [rows, 1]
+        bv = flat.v.to(acc).flatten(0, 1) * bt  # [rows, V]
         e, kn = e.unsqueeze(-1), kn.unsqueeze(-1)  # [rows, K, 1]
         o = torch.empty(bv.shape[0], dv, dtype=acc, device=bv.device)
 
@@ -62,6 +62,6 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
 
         return step, o
 
-    return drv.run(batch, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
+    return drv.run(flat, build, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state,
                    output_all_states=output_all_states, inplace_final_state=inplace_final_state,
                    state_indices=state_indices)
