@@ -1,6 +1,9 @@
 """The benchmarks run end to end in their quick mode and print well-formed JSON (no timing is asserted)."""
 
 import json
+import os
+import subprocess
+import sys
 
 from kvstate.cli import main
 
@@ -33,3 +36,31 @@ def test_bench_engine_quick(capsys):
     phases = {(r["impl"], r["phase"], r["batch"]) for r in out["rows"]}
     assert ("kvstate", "decode", 2) in phases and ("transformers", "prefill", 1) in phases
     assert set(out["speedup_vs_transformers"]) == {"decode b=1", "decode b=2", "prefill b=1"}
+
+
+def test_bench_engine_measures_a_given_checkpoint(capsys, tmp_path):
+    from kvstate.bench.checkpoints import qwen3_5_checkpoint
+
+    path, _ = qwen3_5_checkpoint("quick", str(tmp_path))
+    out = run_json(capsys, ["bench", "engine", "--model", str(path), "--batches", "1", "--prompt-len", "6",
+                            "--new-tokens", "3", "--prefill-len", "12", "--json", "--threads", "1"])
+    assert out["model"].startswith(path.name + " (")
+    assert {(r["impl"], r["phase"]) for r in out["rows"]} >= {("kvstate", "decode"), ("transformers", "prefill")}
+    assert set(out["speedup_vs_transformers"]) == {"decode b=1", "prefill b=1"}
+
+
+def test_bench_engine_model_errors_are_one_line(capsys, tmp_path):
+    assert main(["bench", "engine", "--model", str(tmp_path / "missing"), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "missing: no such file or directory" in err and err.count("\n") == 1
+
+
+def test_benchmarks_silence_the_fallback_warnings_they_expect():
+    # a fresh process: transformers warns once per process, so an earlier test could hide it
+    proc = subprocess.run([sys.executable, "-m", "kvstate", "bench", "engine", "--quick", "--batches", "1",
+                           "--prompt-len", "4", "--new-tokens", "2", "--prefill-len", "8", "--json", "--threads", "1"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "falling back" not in proc.stderr and "fast path" not in proc.stderr, proc.stderr
+    assert "Writing model shards" not in proc.stderr
+    json.loads(proc.stdout)

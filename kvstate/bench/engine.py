@@ -1,6 +1,7 @@
 """`kvstate bench engine`: decode and prefill throughput of the engine against transformers' generate().
 
-Same random Qwen3.5-style checkpoint and the same prompts on both sides, in one process, fp32.
+Same checkpoint and the same prompts on both sides, in one process, fp32: a random Qwen3.5-style
+one by default, or any checkpoint given with `--model PATH_OR_HUB_ID`.
 Decode speed is measured the same way for both: the time of generating N tokens minus the time
 of generating 1 (prefill + first token), over N - 1 steps. Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
@@ -15,6 +16,8 @@ import time
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH_OR_HUB_ID", default=None,
+                        help="checkpoint to measure (default: a random Qwen3.5-style one, ~0.5B; quick: small)")
     parser.add_argument("--quick", action="store_true", help="a small model, short prompts (seconds)")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 128; quick 32)")
@@ -36,28 +39,63 @@ def weight_bytes(model) -> int:
     return total
 
 
+def _sides(args, tmp: str, llm_args: dict):
+    """(kvstate LLM, transformers model or None, label) of --model or of a random checkpoint."""
+    from kvstate.engine.llm import LLM
+
+    if args.model is None:
+        from kvstate.bench.checkpoints import qwen3_5_checkpoint
+
+        size = "quick" if args.quick else "0.5b"
+        path, hf = qwen3_5_checkpoint(size, tmp)
+        return LLM(path, **llm_args), (None if args.no_reference else hf), f"random Qwen3.5-style {size}"
+    from kvstate.config import read_plan
+    from kvstate.errors import KvstateError
+    from kvstate.hub import resolve_checkpoint
+
+    path = resolve_checkpoint(args.model)
+    limit = read_plan(path).max_position_embeddings
+    needed = llm_args["max_model_len"] - 16
+    if limit is not None and needed > limit:
+        raise KvstateError(f"--prefill-len or --prompt-len + --new-tokens: {needed} tokens, more than the model's "
+                           f"max_position_embeddings {limit}")
+    llm = LLM(path, **{**llm_args, "max_model_len": min(needed + 16, limit or needed + 16)})
+    return llm, (None if args.no_reference else _reference(path)), llm.plan.name
+
+
+def _reference(path):
+    """transformers' model of the checkpoint in fp32 eval mode (its fallbacks on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvstate.errors import KvstateError
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    except Exception as exc:  # noqa: BLE001 - any failure of the reference side is one line
+        raise KvstateError(f"{path}: transformers cannot load it as a reference ({str(exc).splitlines()[0][:160]}); "
+                           "add --no-reference to measure kvstate alone") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
     from rich.table import Table
 
-    from kvstate.bench.checkpoints import qwen3_5_checkpoint
     from kvstate.bench.timing import start
-    from kvstate.engine.llm import LLM
     from kvstate.engine.params import SamplingParams
 
     console, limits = start(args)
-    size = "quick" if args.quick else "0.5b"
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
     prefill_len = args.prefill_len or (128 if args.quick else 1024)
     batches = [int(b) for b in args.batches.split(",")]
+    llm_args = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(prefill_len, max(batches) * plen),
+                    max_model_len=max(prefill_len, plen + new) + 16)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
-        with console.status("building checkpoint"):
-            path, hf = qwen3_5_checkpoint(size, tmp)
-            llm = LLM(path, max_num_seqs=max(batches), max_num_batched_tokens=max(prefill_len, max(batches) * plen),
-                      max_model_len=max(prefill_len, plen + new) + 16)
+        with console.status("loading checkpoint" if args.model else "building checkpoint"):
+            llm, hf, label = _sides(args, tmp, llm_args)
     vocab = llm.plan.vocab_size
     g = torch.Generator().manual_seed(0)
     spec = llm.runner.spec
@@ -77,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
                         do_sample=False, eos_token_id=None, pad_token_id=0)
         return time.perf_counter() - t0
 
-    sides = [("kvstate", ours)] + ([] if args.no_reference else [("transformers", theirs)])
+    sides = [("kvstate", ours)] + ([] if hf is None else [("transformers", theirs)])
     rows = []
     ours([[1, 2, 3]], 2)  # warm up both sides
-    if not args.no_reference:
+    if hf is not None:
         theirs([[1, 2, 3]], 2)
     for b in batches:
         prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
@@ -103,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers"}
     scaling = speed[("kvstate", "decode", max(batches))] / speed[("kvstate", "decode", min(batches))]
-    result = dict(model=f"random Qwen3.5-style {size} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})",
+    result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})",
                   prompt_tokens=plen, new_tokens=new, weight_bytes=wbytes,
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
                                threads=torch.get_num_threads()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,6 +44,32 @@ def measure_machine(size: int = 2048, copy_mib: int = 256) -> MachineLimits:
     return MachineLimits(gemm_flops=gemm, bandwidth=bandwidth)
 
 
+# What transformers says when it runs its pure-PyTorch fallbacks: the benchmarks measure exactly
+# those on purpose (they are the bar to beat), so the warning is expected noise there.
+EXPECTED_WARNINGS = ("is falling back to its reference PyTorch implementation", "fast path is not available")
+
+
+class _ExpectedWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in EXPECTED_WARNINGS)
+
+
+def silence_expected_warnings() -> None:
+    """Drop transformers' expected fallback warnings (and its save progress bars); others still show."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # no reference side installed: nothing to silence
+        return
+    hf_logging.disable_progress_bar()  # "Writing model shards" while a benchmark checkpoint is saved
+    expected = _ExpectedWarnings()
+    for name in ("transformers", "transformers.integrations.hub_kernels"):
+        logger = logging.getLogger(name)
+        for target in [logger, *logger.handlers]:
+            if not any(isinstance(f, _ExpectedWarnings) for f in target.filters):
+                target.addFilter(expected)
+
+
 def start(args):
     """The common start of a benchmark run: torch threads (--threads), a rich console (on stderr
     under --json, so stdout stays machine-readable) and this machine's measured limits."""
@@ -52,6 +79,7 @@ def start(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    silence_expected_warnings()
     quick = getattr(args, "quick", False)
     console = make_console(stderr=args.json)
     with console.status("measuring the machine's GEMM rate and memory bandwidth"):
