@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.commands.progress import load_progress
     from kvstate.engine.llm import LLM
     from kvstate.engine.params import SamplingParams
+    from kvstate.hub import resolve_checkpoint
 
     if args.system is not None and not args.chat:
         raise KvstateError("--system needs --chat (the system message is part of the chat template)")
@@ -85,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=True)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed, stop=args.stop, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    model = resolve_checkpoint(args.model)  # a hub id -> its snapshot dir (weights and tokenizer)
     with load_progress(console, enabled=not args.json) as progress:
-        llm = LLM(args.model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
+        llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
                   load_progress=progress)
     if args.chat:
         if llm.tokenizer is None:

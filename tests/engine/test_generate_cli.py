@@ -164,3 +164,19 @@ def test_loader_reports_progress_in_bytes(checkpoint):
     total = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     assert calls[-1] == (total, total) and len(calls) > 2
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_generate_takes_a_hub_id(checkpoint, tmp_path, capsys):
+    from tests.hub_cache import populate_from_dir
+
+    populate_from_dir(tmp_path / "hub", "org/tiny-qwen", checkpoint)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+    args = ["the quick brown", "--max-tokens", "3", "--ignore-eos", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "kvstate", "generate", "--model", "org/tiny-qwen", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert main(["generate", "--model", str(checkpoint), *args]) == 0
+    assert json.loads(proc.stdout)["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    proc = subprocess.run([sys.executable, "-m", "kvstate", "generate", "--model", "org/not-cached", "hi"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    _one_line_error(proc, "org/not-cached: no such file or directory, and not in the Hugging Face cache")
