@@ -5,23 +5,24 @@ state in the rest (Gated DeltaNet, KDA, Mamba-2, Mamba-1). The package is layere
 control plane (config reading, memory planning, scheduling) never imports torch; heavy parts
 are imported on first use:
 
-    from kvstate import LLM, SamplingParams
+    from kvstate import LLM, SamplingParams          # the offline API
+    from kvstate import EngineCore                   # step by step: what a server's loop drives
 """
 
 __version__ = "0.1.0"
 
 from kvstate.errors import KvstateError
 
-__all__ = ["LLM", "KvstateError", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutput", "SamplingParams", "__version__"]
+
+# name -> module, imported on first use (LLM and EngineCore load torch when built)
+_LAZY = {"LLM": "kvstate.engine.llm", "EngineCore": "kvstate.engine.core", "SamplingParams": "kvstate.engine.params",
+         "RequestOutput": "kvstate.engine.outputs", "CompletionOutput": "kvstate.engine.outputs"}
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from kvstate.engine.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
-    if name == "SamplingParams":
-        from kvstate.engine.params import SamplingParams
-
-        return SamplingParams
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvstate' has no attribute {name!r}")
