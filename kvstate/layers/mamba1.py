@@ -19,8 +19,7 @@ from kvstate.layers.norm import RMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_selective_scan, recurrent_selective_scan
 
-# the selective scan has no state-pool form yet: its decode rows are gathered and written back
-OPS = RecurrentOps(chunk_selective_scan, recurrent_selective_scan, pooled=False)
+OPS = RecurrentOps(chunk_selective_scan, recurrent_selective_scan)
 
 
 class Mamba1(nn.Module):

@@ -28,8 +28,7 @@ class RecurrentOps:
     """A mixer kind's two forms of its recurrence, both `(**inputs, initial_state=, ...) -> (o, state)`."""
 
     chunk: Callable  # prefill: cu_seqlens, initial_state, output_final_state
-    recurrent: Callable  # decode: one token per sequence
-    pooled: bool = True  # the recurrent form updates pool rows in place (state_indices, inplace_final_state)
+    recurrent: Callable  # decode: one token per sequence, the pool's rows updated (state_indices, inplace_final_state)
 
 
 def _rows(pool: torch.Tensor, group) -> torch.Tensor:
@@ -96,13 +95,8 @@ def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.
 
 
 def _decode(ops: RecurrentOps, pool: torch.Tensor, group, xs: dict, kwargs: dict) -> torch.Tensor:
-    """One token per entry through the recurrent op, the pool's rows updated in place."""
-    if ops.pooled:
-        if group.fresh_slots is not None:
-            pool.index_fill_(0, group.fresh_slots, 0)
-        o, _ = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots, inplace_final_state=True)
-        return o
-    # an op without a state-pool form (the selective scan): its rows are gathered and written back
-    o, state = ops.recurrent(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True)
-    _write(pool, group, state)
+    """One token per entry through the recurrent op, which updates the pool's rows itself."""
+    if group.fresh_slots is not None:
+        pool.index_fill_(0, group.fresh_slots, 0)
+    o, _ = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots, inplace_final_state=True)
     return o

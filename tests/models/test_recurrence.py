@@ -74,9 +74,8 @@ def test_mixed_step_equals_each_sequence_apart(kind, window):
 @pytest.mark.parametrize("kind", list(SPECS))
 @torch.inference_mode()
 def test_decode_runs_the_recurrent_op_on_the_pool_and_prefill_the_chunk_op(kind, monkeypatch):
-    """Every mixer hands decode entries (one token each) to its recurrent op, which updates the slots
-    of the pool itself (no rows gathered, for the ops that have a state-pool form), and prefill
-    entries to its chunk op with their own cu_seqlens."""
+    """Every mixer (Mamba-1 too) hands decode entries (one token each) to its recurrent op, which
+    updates the slots of the pool itself, and prefill entries to its chunk op with their own cu_seqlens."""
     import importlib
 
     from kvstate.layers.recurrence import RecurrentOps
@@ -93,11 +92,34 @@ def test_decode_runs_the_recurrent_op_on_the_pool_and_prefill_the_chunk_op(kind,
         return wrapped
 
     ops = module.OPS
-    monkeypatch.setattr(module, "OPS", RecurrentOps(spy("chunk", ops.chunk), spy("recurrent", ops.recurrent),
-                                                    ops.pooled))
+    monkeypatch.setattr(module, "OPS", RecurrentOps(spy("chunk", ops.chunk), spy("recurrent", ops.recurrent)))
     g = torch.Generator().manual_seed(1)
     run(layer, cache, [(torch.randn(1, HIDDEN, generator=g), 3, 2), (torch.randn(6, HIDDEN, generator=g), 0, 0),
                        (torch.randn(1, HIDDEN, generator=g), 5, 4)])
     (r_name, r_shape, _, r_state), (c_name, c_shape, c_cu, _) = calls
     assert (r_name, r_shape, c_name, c_shape, c_cu.tolist()) == ("recurrent", (2, 1), "chunk", (1, 6), [0, 6])
-    assert (r_state is cache.state) == ops.pooled
+    assert r_state is cache.state
+
+
+@pytest.mark.parametrize("indices", [None, [4, 0, 2]])
+@torch.inference_mode()
+def test_selective_scan_decode_updates_the_state_pool(indices):
+    """recurrent_selective_scan takes the state API of every recurrent form: `state_indices` rows of a
+    pool as initial states, `inplace_final_state` writing the final states there (other rows untouched)."""
+    from kvstate.ops import recurrent_selective_scan
+
+    g = torch.Generator().manual_seed(2)
+    n, d, s = 3, 12, 4
+    u, delta, z = (torch.randn(n, 1, d, generator=g) for _ in range(3))
+    B, C = torch.randn(n, 1, s, generator=g), torch.randn(n, 1, s, generator=g)
+    A = -torch.rand(d, s, generator=g)
+    pool = torch.randn(5 if indices else n, d, s, generator=g)
+    rows = torch.tensor(indices) if indices else torch.arange(n)
+    want_y, want_h = recurrent_selective_scan(u, delta, A, B, C, z=z, initial_state=pool[rows],
+                                              output_final_state=True)
+    before = pool.clone()
+    y, h = recurrent_selective_scan(u, delta, A, B, C, z=z, initial_state=pool, inplace_final_state=True,
+                                    state_indices=None if indices is None else rows)
+    assert h is pool and torch.equal(y, want_y) and torch.equal(pool[rows], want_h)
+    others = [i for i in range(pool.shape[0]) if i not in rows.tolist()]
+    assert torch.equal(pool[others], before[others])

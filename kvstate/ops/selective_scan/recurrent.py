@@ -5,7 +5,9 @@ every token of the call, [B, T, D, N], for rolling back rejected speculative tok
 costs four in-place passes over the [B, D, N] state (a = exp(dt A); a *= h; a += x B; y = a . C)
 into preallocated buffers, a few sequences at a time so the passes hit the cache, not memory.
 When autograd must record (inputs that require grad) the same steps run out of place: slower but
-differentiable; train with `chunk_selective_scan`. The initial_state tensor is never written.
+differentiable; train with `chunk_selective_scan`. The initial_state tensor is never written,
+except as a state pool: the state API of every recurrent form (`state_indices`: the pool row of
+each sequence; `inplace_final_state=True`: those rows get the final states).
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ from kvstate.ops.selective_scan.inputs import (
 
 def recurrent_selective_scan(u, delta, A, B, C, *, D=None, z=None, delta_bias=None, delta_softplus=False,
                              initial_state=None, output_final_state=False, cu_seqlens=None,
-                             output_all_states=False):
+                             output_all_states=False, inplace_final_state=False, state_indices=None):
     """Returns (y [B, T, D], final_state [N_seq, D, N] or None[, all_states [B, T, D, N]]).
+    With inplace_final_state, final_state is initial_state, its rows state_indices (default 0..N-1) updated.
 
     With cu_seqlens (packed [1, sum(T), ...]) all_states is packed too: [1, sum(T), D, N].
     """
+    pool = initial_state
+    if state_indices is not None or inplace_final_state:
+        if pool is None or torch.is_grad_enabled() and pool.requires_grad:
+            raise ValueError("state_indices / inplace_final_state need a state pool initial_state (no autograd)")
+        if state_indices is not None:  # [N_seq, D, N]: the scan steps on contiguous rows
+            initial_state = pool.index_select(0, state_indices)
     shape = check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     dtype = compute_dtype(u, delta, A, B, C)
     dt = discretize_dt(delta, delta_bias, delta_softplus, dtype)
@@ -42,6 +51,12 @@ def recurrent_selective_scan(u, delta, A, B, C, *, D=None, z=None, delta_bias=No
         if states is not None:
             states = pack(states, cu_seqlens) if states.shape[1] else states.new_zeros(1, 0, *h.shape[1:])
     y = epilogue(y, u, D, z, u.dtype)
+    if inplace_final_state:
+        if state_indices is None:
+            pool.copy_(h)
+        else:
+            pool.index_copy_(0, state_indices, h.to(pool.dtype))
+        h, output_final_state = pool, True
     out = (y, h if output_final_state else None)
     return out + (states,) if output_all_states else out
 
