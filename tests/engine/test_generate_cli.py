@@ -180,3 +180,9 @@ def test_generate_takes_a_hub_id(checkpoint, tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "kvstate", "generate", "--model", "org/not-cached", "hi"],
                           capture_output=True, text=True, timeout=300, env=env)
     _one_line_error(proc, "org/not-cached: no such file or directory, and not in the Hugging Face cache")
+
+
+def test_max_model_len_above_the_models_is_one_line(checkpoint):
+    limit = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
+    _one_line_error(_cli("--model", str(checkpoint), "--max-model-len", str(limit + 1), "hi"),
+                    f"max_model_len {limit + 1} is more than the model's maximum {limit}")
