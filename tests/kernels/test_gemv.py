@@ -75,10 +75,23 @@ def test_tail_reads_nothing_past_k(dtype):
     start, and after the last row, infinities (0 * inf would poison the sum)."""
     ext = extension()
     g = torch.Generator().manual_seed(3)
-    n, k = 5, 45
+    n, k = 37, 45  # 32 rows for AMX, 5 for AVX-512
     storage = torch.full((n * k + 64,), float("inf")).to(dtype)
     storage[: n * k] = torch.randn(n * k, generator=g).to(dtype)
     w = storage[: n * k].view(n, k)
     x = torch.randn(3, k, generator=g)
     for isa in isas():
         assert_close_to_truth(ext.linear(x, w, None, isa), x, w, None)
+
+
+@pytest.mark.parametrize("n,k", [(32, 32), (64, 100), (96, 1024)])
+def test_x_keeps_all_24_bits(n, k):
+    """Positive terms (no cancellation) and x with full fp32 mantissas: any path that rounds x,
+    or splits it into too few bf16 parts (AMX), is off by far more than fp32 rounding."""
+    ext = extension()
+    g = torch.Generator().manual_seed(4)
+    x = 1 + torch.rand(16, k, generator=g)
+    w = torch.rand(n, k, generator=g).bfloat16()
+    for isa in isas():
+        for m in (1, 5, 16):
+            assert_close_to_truth(ext.linear(x[:m], w, None, isa), x[:m], w, None)

@@ -21,8 +21,15 @@ bool has_avx2() {
 }
 
 // The ISAs this CPU can run, best first.
+bool has_amx() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         kvstate::amx::usable();
+}
+
 std::vector<std::string> isas() {
   std::vector<std::string> out;
+  if (has_amx()) out.push_back("amx");
   if (has_avx512()) out.push_back("avx512");
   if (has_avx2()) out.push_back("avx2");
   return out;
@@ -47,36 +54,47 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const std::string use = isa == "auto" ? have.front() : isa;
   TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
               "' not available on this CPU");
-  const bool wide = use == "avx512";
-  const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
   const bool bf16 = w.scalar_type() == at::kBFloat16;
+  // AMX serves bf16 weights for up to 16 rows, in blocks of 32 W rows; AVX-512 does the rest.
+  const bool use_amx = use == "amx" && bf16 && M <= 16;
+  const bool wide = use != "avx2";
+  const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  pybind11::gil_scoped_release no_gil;
+  int64_t n_amx = 0;
+  if (use_amx) {
+    n_amx = N / 32 * 32;
+    auto xb = at::empty({3 * (K / 32 * 32) * M}, x.options().dtype(at::kBFloat16));
+    auto* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
+    kvstate::amx::prepare_x(x.data_ptr<float>(), M, K, xbp);
+    const kvstate::AmxArgs args{x.data_ptr<float>(), xbp, M, K, w.data_ptr(), bptr, y.data_ptr<float>(), N};
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 32 * K * 2));
+    at::parallel_for(0, n_amx / 32, grain, [&](int64_t i0, int64_t i1) { kvstate::amx::rows(args, i0 * 32, i1 * 32); });
+  }
+  if (n_amx == N) return y;
   const int64_t Kp = (K + 2 * lanes - 1) / (2 * lanes) * (2 * lanes);
   auto xp = at::empty({M, Kp}, x.options());
-  {
-    pybind11::gil_scoped_release no_gil;
+  if (wide)
+    kvstate::avx512::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
+  else
+    kvstate::avx2::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
+  const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N};
+  // Work items are blocks of 4 W rows (from n_amx on); a thread gets at least ~64 KiB of weights
+  // so that tiny matrices do not pay for waking threads.
+  const int64_t rows_per_item = 4;
+  const int64_t items = (N - n_amx + rows_per_item - 1) / rows_per_item;
+  const int64_t item_bytes = std::max<int64_t>(1, rows_per_item * K * w.element_size());
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / item_bytes);
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t n0 = n_amx + i0 * rows_per_item, n1 = std::min(N, n_amx + i1 * rows_per_item);
     if (wide)
-      kvstate::avx512::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
+      kvstate::avx512::rows(args, n0, n1);
     else
-      kvstate::avx2::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
-    const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N};
-    // Work items are blocks of 4 W rows; a thread gets at least ~64 KiB of weights so that tiny
-    // matrices do not pay for waking threads.
-    const int64_t rows_per_item = 4;
-    const int64_t items = (N + rows_per_item - 1) / rows_per_item;
-    const int64_t item_bytes = std::max<int64_t>(1, rows_per_item * K * w.element_size());
-    const int64_t grain = std::max<int64_t>(1, (64 << 10) / item_bytes);
-    at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-      const int64_t n0 = i0 * rows_per_item, n1 = std::min(N, i1 * rows_per_item);
-      if (wide)
-        kvstate::avx512::rows(args, n0, n1);
-      else
-        kvstate::avx2::rows(args, n0, n1);
-    });
-  }
+      kvstate::avx2::rows(args, n0, n1);
+  });
   return y;
 }
 

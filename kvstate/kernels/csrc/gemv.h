@@ -30,4 +30,20 @@ void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, floa
 void rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 
+// AMX (bf16 weights only): 32 W rows per block; x as three bf16 parts (see gemv_amx.cpp).
+struct AmxArgs {
+  const float* x;      // [M, K] as given (for the K % 32 tail)
+  const uint16_t* xb;  // [3][K / 32 * 16][M][2] bf16 parts of x
+  int64_t M, K;        // M <= 16
+  const void* w;       // [N, K] bf16
+  const float* bias;
+  float* y;
+  int64_t N;
+};
+namespace amx {
+bool usable();  // the CPU has AMX-BF16 and the OS granted the tile state
+void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xb);
+void rows(const AmxArgs& a, int64_t n0, int64_t n1);
+}  // namespace amx
+
 }  // namespace kvstate
