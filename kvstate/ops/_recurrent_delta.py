@@ -3,7 +3,7 @@
 
 Decode is memory-bound: each step must read and write every state once (32 sequences x 32 heads x
 128 x 128 fp32 = 64 MiB for Qwen3.5-size layers). A token's update needs several passes over its
-state (decay, read S^T k and S^T q, write k u^T); done over the whole flat, each pass goes to
+state (decay, read S^T k and S^T q, write k u^T); done over the whole batch, each pass goes to
 DRAM. Instead we walk the state a block at a time (about BLOCK_BYTES: a few heads of one sequence,
 or several whole sequences when each has one token) and run every token of the call on that
 block while it sits in cache, so DRAM sees about one read and
