@@ -48,6 +48,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="random seed: the same seed gives the same tokens (default: none, fresh randomness)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="stop when the output contains this string, which is left out (repeatable)")
+    parser.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID", dest="stop_token_ids",
+                        help="stop after this token id, which is kept (repeatable; default: the tokenizer's EOS)")
+    parser.add_argument("--n", type=_positive_int, default=1, metavar="N",
+                        help="samples per prompt; with a seed, sample k uses seed + k (default: 1)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                        help="subtract X from the logit of every token already in the output (default: 0)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                        help="subtract X times the token's count in the output (default: 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                        help="divide the positive logits of tokens seen in prompt or output by X, multiply the "
+                             "negative ones; 1 = off (default: 1)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token (default: stop there)")
     parser.add_argument("--cache-memory", default=None, metavar="SIZE",
@@ -85,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompt)
     console = make_console(stderr=True)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, stop=args.stop, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                            seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_ids,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, n=args.n,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     model = resolve_checkpoint(args.model)  # a hub id -> its snapshot dir (weights and tokenizer)
     with load_progress(console, enabled=not args.json) as progress:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
@@ -97,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = [llm.tokenizer.apply_chat_template(system + [{"role": "user", "content": p}]) for p in prompts]
     start = time.perf_counter()
     outputs = []
+    streaming = not args.json and len(prompts) == 1 and args.n == 1
     for ev in llm.stream(prompts, params):
         if ev.finished:
             outputs.append(ev.output)
-        elif not args.json and len(prompts) == 1:
+        elif streaming:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
@@ -108,12 +123,20 @@ def run(args: argparse.Namespace) -> int:
     failed = any(o.error is not None for o in outputs)
     if args.json:
         for o in outputs:
-            print(json.dumps(dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
-                                  error=o.error, metrics=o.metrics, peak_cache_bytes=peak)))
+            row = dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
+                       error=o.error, metrics=o.metrics, peak_cache_bytes=peak)
+            if args.n > 1:  # every sample; the fields above are the first one's
+                row["outputs"] = [dict(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+                                  for c in o.outputs]
+            print(json.dumps(row))
         return 2 if failed else 0
-    if len(prompts) > 1:
+    if not streaming:
         for o in outputs:
-            print(o.text if o.error is None else f"[error: {o.error}]")
+            if o.error is not None:
+                print(f"[error: {o.error}]")
+                continue
+            for k, c in enumerate(o.outputs):
+                print((f"[sample {k}] " if args.n > 1 else "") + c.text)
     elif outputs and outputs[0].error is None:
         print()
     for o in outputs:
@@ -129,7 +152,8 @@ def summary(outputs, elapsed: float, peak: dict[str, int]) -> str:
     request's finish reason counted."""
     from kvstate.memory import format_bytes
 
-    n = sum(len(o.token_ids) for o in outputs)
+    samples = [c for o in outputs for c in (getattr(o, "outputs", None) or [o])]  # each of the n samples
+    n = sum(len(c.token_ids) for c in samples)
     tpot = [t for o in outputs if (t := o.metrics.get("time_per_output_token"))]
     ttft = [t for o in outputs if (t := o.metrics.get("time_to_first_token")) is not None and o.token_ids]
     timings = []
@@ -138,8 +162,8 @@ def summary(outputs, elapsed: float, peak: dict[str, int]) -> str:
     if ttft:
         timings.append(f"first token {1000 * min(ttft):.0f} ms")
     head = f"{n} token{'s' * (n != 1)} in {elapsed:.2f} s" + (": " + ", ".join(timings) if timings else "")
-    reasons = Counter(o.finish_reason or "unfinished" for o in outputs)
-    if len(outputs) == 1:
+    reasons = Counter(c.finish_reason or "unfinished" for c in samples)
+    if len(samples) == 1:
         finish = next(iter(reasons))
     else:
         finish = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())

@@ -186,3 +186,20 @@ def test_max_model_len_above_the_models_is_one_line(checkpoint):
     limit = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
     _one_line_error(_cli("--model", str(checkpoint), "--max-model-len", str(limit + 1), "hi"),
                     f"max_model_len {limit + 1} is more than the model's maximum {limit}")
+
+
+def test_samples_and_penalties_reach_the_engine(checkpoint, capsys):
+    from kvstate import LLM, SamplingParams
+
+    argv = ["generate", "--model", str(checkpoint), "the quick brown", "--max-tokens", "4", "--ignore-eos", "--n", "2",
+            "--temperature", "1", "--seed", "7", "--repetition-penalty", "1.3", "--presence-penalty", "0.5"]
+    assert main([*argv, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    ref = LLM(checkpoint, cache_memory="16MiB").generate(
+        "the quick brown", SamplingParams(max_tokens=4, ignore_eos=True, n=2, temperature=1, seed=7,
+                                          repetition_penalty=1.3, presence_penalty=0.5))[0]
+    assert [o["token_ids"] for o in row["outputs"]] == [c.token_ids for c in ref.outputs]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "[sample 0]" in out and "[sample 1]" in out
+    assert err.strip().splitlines()[-1].startswith("8 tokens") and "(2 length)" in err
