@@ -40,6 +40,20 @@ def model_linears(size: str) -> list[tuple[str, int, int]]:
             if isinstance(m, torch.nn.Linear)]
 
 
+def kernel_path(info: dict, dtype: str, rows: int) -> str:
+    """Which code computes these rows (mirrors kernels.dispatch and the extension's ISA choice)."""
+    from kvstate import kernels
+
+    limit = kernels.MAX_ROWS_BF16 if dtype == "bf16" else kernels.MAX_ROWS
+    if info["backend"] == "torch" or rows > limit:
+        return "torch"
+    isa = info["isa"]
+    if isa == "amx" and (dtype != "bf16" or rows < 3):  # AMX: bf16 weights, 3 to 16 rows a call
+        isa = "avx512"
+    calls = -(-rows // kernels.MAX_ROWS)
+    return isa if calls == 1 else f"{isa} x{calls}"
+
+
 def read_bandwidth(mib: int) -> float:
     """Bytes/s of a plain read: torch's sum over `mib` MiB (every byte read once, nothing written)."""
     import torch
@@ -93,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             with console.status(f"{d} weights, M={m}"), torch.inference_mode():
                 t = time_fn(ours, warmup=1, min_time=min_time)
                 t_ref = time_fn(theirs, warmup=1, min_time=min_time)
-            path = "torch" if info["backend"] == "torch" or m > kernels.MAX_ROWS else info["isa"]
+            path = kernel_path(info, d, m)
             results.append(dict(dtype=d, rows=m, path=path, ms=1e3 * t, gbps=nbytes / t / 1e9,
                                 read_fraction=nbytes / t / read_bw, tokens_per_s=m / t, torch_ms=1e3 * t_ref,
                                 speedup_vs_torch=t_ref / t))

@@ -1,9 +1,10 @@
 """`linear(x, weight, bias)`: the compiled skinny GEMM for decode-sized inputs, torch otherwise.
 
 The extension serves CPU float32 x with at most `MAX_ROWS` rows (all leading dimensions
-flattened) and a contiguous float32 or bfloat16 weight, outside autograd. Everything else, and
+flattened; `MAX_ROWS_BF16` for bf16 weights) and a contiguous float32 or bfloat16 weight,
+outside autograd. Everything else, and
 everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
-first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|avx512|avx2|auto` in
+first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in
 the environment, or `with kernels.backend("torch"):` (tests), which wins over the environment.
 """
 
@@ -19,10 +20,12 @@ import torch.nn.functional as F
 
 from kvstate.kernels import _ext
 
-# Past ~16 rows torch's blocked GEMM (oneDNN/MKL) catches up: it re-reads the weights from cache
-# while we would re-read them once per 16 rows, and it is free of the x re-layout.
+# Past ~16 rows torch's blocked GEMM (MKL) catches up with fp32 weights. With bf16 weights torch
+# must first upcast them (or use its slow bf16 GEMM), so the kernel keeps them up to 64 rows, in
+# calls of 16 rows (the AMX path's limit), each streaming the weights once more.
 MAX_ROWS = 16
-CHOICES = ("auto", "torch", "avx512", "avx2")
+MAX_ROWS_BF16 = 64
+CHOICES = ("auto", "torch", "amx", "avx512", "avx2")
 ENV = "KVSTATE_KERNELS"
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvstate_kernels_backend", default=None)
@@ -40,7 +43,8 @@ def _choice() -> str:
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Force a backend inside the block: "torch" (the fallback), "avx512"/"avx2" (that ISA), "auto"."""
+    """Force a backend inside the block: "torch" (the fallback), "amx"/"avx512"/"avx2" (that ISA;
+    amx serves bf16 weights only, the rest goes to avx512), "auto" (the best the CPU has)."""
     if name not in CHOICES:
         raise ValueError(f"kernel backend {name!r}: expected one of {', '.join(CHOICES)}")
     token = _forced.set(name)
@@ -77,12 +81,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     choice = _choice()
     if choice != "torch" and _eligible(x, weight, bias):
         rows = math.prod(x.shape[:-1])
-        ext = _ext.load() if rows <= MAX_ROWS else None
+        limit = MAX_ROWS_BF16 if weight.dtype == torch.bfloat16 else MAX_ROWS
+        ext = _ext.load() if rows <= limit else None
         if ext is not None:
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
                 bias = bias.float().contiguous()
             x2 = x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous if needed
-            y = ext.linear(x2, weight, bias, choice)
+            if rows <= MAX_ROWS:
+                y = ext.linear(x2, weight, bias, choice)
+            else:
+                y = torch.cat([ext.linear(x2[i:i + MAX_ROWS], weight, bias, choice) for i in range(0, rows, MAX_ROWS)])
             return y.reshape(*x.shape[:-1], weight.shape[0])
     return torch_linear(x, weight, bias)
 
@@ -100,4 +108,5 @@ def info() -> dict:
                     library=None)
     isa = isas[0] if choice == "auto" else choice
     reason = None if isa in isas else f"ISA {isa} not available on this CPU (has {', '.join(isas)})"
-    return dict(backend="extension", isa=isa, isas=isas, reason=reason, max_rows=MAX_ROWS, library=str(_ext.LIBRARY))
+    return dict(backend="extension", isa=isa, isas=isas, reason=reason, max_rows=MAX_ROWS,
+                max_rows_bf16=MAX_ROWS_BF16, library=str(_ext.LIBRARY))

@@ -9,11 +9,11 @@ from kvstate import kernels
 from kvstate.kernels import _ext
 from tests.kernels.conftest import assert_close_to_truth, extension
 
-BACKENDS = ["auto", "torch", "avx512", "avx2"]
+BACKENDS = ["auto", "torch", "amx", "avx512", "avx2"]
 
 
 def available(name):
-    if name in ("avx512", "avx2") and name not in extension().isas():
+    if name in ("amx", "avx512", "avx2") and name not in extension().isas():
         pytest.skip(f"this CPU has no {name}")
     if name == "auto":
         extension()
@@ -25,14 +25,14 @@ def test_every_backend_against_truth(name, dtype):
     if name != "torch":
         available(name)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(23, 77, generator=g).to(dtype)
-    b = torch.randn(23, generator=g)
+    w = torch.randn(45, 77, generator=g).to(dtype)  # 32 rows for AMX, 13 for the rest
+    b = torch.randn(45, generator=g)
     with kernels.backend(name):
-        for shape in [(77,), (1, 77), (2, 3, 77), (17, 77), (40, 77), (0, 77)]:
+        for shape in [(77,), (1, 77), (2, 3, 77), (17, 77), (40, 77), (70, 77), (0, 77)]:
             x = torch.randn(*shape, generator=g)
             y = kernels.linear(x, w, b)
-            assert y.shape == (*shape[:-1], 23)
-            assert_close_to_truth(y.reshape(-1, 23), x.reshape(-1, 77), w, b)
+            assert y.shape == (*shape[:-1], 45)
+            assert_close_to_truth(y.reshape(-1, 45), x.reshape(-1, 77), w, b)
 
 
 def test_environment_forces_the_fallback(monkeypatch):
@@ -54,7 +54,8 @@ def test_environment_forces_the_fallback(monkeypatch):
 
 
 def test_what_goes_to_torch(monkeypatch):
-    """More than MAX_ROWS rows, autograd, a float64 x, a non-contiguous weight: F.linear, still right."""
+    """More than MAX_ROWS rows (MAX_ROWS_BF16 for bf16 weights, in calls of MAX_ROWS), autograd, a
+    float64 x, a non-contiguous weight: F.linear, still right."""
     ext = extension()
     calls = []
     monkeypatch.setattr(_ext, "_loaded", {"module": _Spy(ext, calls), "reason": None})
@@ -63,6 +64,13 @@ def test_what_goes_to_torch(monkeypatch):
     assert len(calls) == 1
     x = torch.randn(kernels.MAX_ROWS + 1, 16)
     torch.testing.assert_close(kernels.linear(x, w), x @ w.T)
+    assert len(calls) == 1
+    xb = torch.randn(kernels.MAX_ROWS_BF16, 16)
+    torch.testing.assert_close(kernels.linear(xb, w.bfloat16()), xb @ w.bfloat16().float().T)
+    assert len(calls) == 1 + kernels.MAX_ROWS_BF16 // kernels.MAX_ROWS
+    calls.clear()
+    torch.testing.assert_close(kernels.linear(torch.cat([xb, xb]), w.bfloat16()), torch.cat([xb, xb]) @ w.bfloat16().float().T)
+    assert calls == []
     wg = w.clone().requires_grad_()
     kernels.linear(torch.randn(2, 16), wg).sum().backward()
     assert wg.grad is not None
@@ -70,7 +78,7 @@ def test_what_goes_to_torch(monkeypatch):
     torch.testing.assert_close(kernels.linear(xd, w.bfloat16()), xd @ w.bfloat16().double().T)
     wt = torch.randn(16, 8).T
     torch.testing.assert_close(kernels.linear(x[:2], wt), x[:2] @ wt.T)
-    assert len(calls) == 1
+    assert calls == []
 
 
 def test_info_says_which_path():

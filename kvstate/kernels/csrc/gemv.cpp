@@ -55,8 +55,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
               "' not available on this CPU");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
-  // AMX serves bf16 weights for up to 16 rows, in blocks of 32 W rows; AVX-512 does the rest.
-  const bool use_amx = use == "amx" && bf16 && M <= 16;
+  // AMX serves bf16 weights for 3 to 16 rows, in blocks of 32 W rows; AVX-512 does the rest
+  // (for 1-2 rows it computes less, and either way the weights stream at memory speed).
+  const bool use_amx = use == "amx" && bf16 && M >= 3 && M <= 16;
   const bool wide = use != "avx2";
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
