@@ -206,3 +206,15 @@ def test_llm_takes_a_hub_id(checkpoint, llm, tmp_path, monkeypatch):
     hub = LLM("org/api-tiny", cache_memory="16MiB")
     assert hub.tokenizer is not None
     assert hub.generate("the quick brown", greedy(5))[0].text == llm.generate("the quick brown", greedy(5))[0].text
+
+
+def test_closing_a_stream_aborts_its_requests_only(llm):
+    mine = llm.stream([[1, 2, 3], [4, 5]], greedy(40))
+    other = llm.stream([[6, 7, 8]], greedy(5))
+    next(mine), next(other), next(mine)
+    mine.close()  # the caller went away: its two requests are aborted, the other one runs on
+    finals = [e.output for e in other if e.finished]
+    assert [o.finish_reason for o in finals] == ["length"] and len(finals[0].token_ids) == 5
+    assert not llm.engine.has_unfinished()
+    stats = llm.engine.stats()
+    assert stats["num_running"] == 0 and stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
