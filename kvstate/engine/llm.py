@@ -154,7 +154,8 @@ class LLM:
                         raise RuntimeError("requests are unfinished but the engine has nothing left to run")
                     self._step()
         finally:  # closed early (or failed): stop what is still running for this caller
+            mine = {id(c) for c in collectors}
             for child, (c, _) in list(self._routes.items()):
-                if any(c is mine for mine in collectors):
+                if id(c) in mine:
                     self.engine.abort_request(child)
                     del self._routes[child]
