@@ -5,7 +5,7 @@ flattened; `MAX_ROWS_BF16` for bf16 weights) and a contiguous float32 or bfloat1
 outside autograd. Everything else, and
 everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
 first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in
-the environment, or `with kernels.backend("torch"):` (tests), which wins over the environment.
+the environment (read at import), or `with kernels.backend("torch"):` (tests), which wins.
 """
 
 from __future__ import annotations
@@ -31,14 +31,22 @@ ENV = "KVSTATE_KERNELS"
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvstate_kernels_backend", default=None)
 
 
+def backend_from_env() -> str:
+    """The backend KVSTATE_KERNELS asks for ("auto" when unset), not yet checked."""
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+
+
+# Read once, at import: a decode step makes ~200 calls and an environment lookup costs as much
+# as the rest of the dispatch. A bad value is reported by the first call, not by the import.
+_DEFAULT = backend_from_env()
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _choice() -> str:
-    forced = _forced.get()
-    if forced is not None:
-        return forced
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    choice = _forced.get() or _DEFAULT
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
+    return choice
 
 
 @contextlib.contextmanager
@@ -64,11 +72,12 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if x.device.type != "cpu" or weight.device.type != "cpu" or x.dtype != torch.float32:
+    # Cheapest tests first: this runs for every linear of every step.
+    if x.dtype != torch.float32 or weight.dtype not in _WEIGHT_DTYPES or not (x.is_cpu and weight.is_cpu):
         return False
-    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+    if weight.dim() != 2 or not weight.is_contiguous():
         return False
-    if bias is not None and (bias.device.type != "cpu" or bias.dim() != 1):
+    if bias is not None and (not bias.is_cpu or bias.dim() != 1):
         return False
     # The kernel has no backward.
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
@@ -80,18 +89,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32 or bfloat16, fp32 math."""
     choice = _choice()
     if choice != "torch" and _eligible(x, weight, bias):
-        rows = math.prod(x.shape[:-1])
+        flat = x.dim() == 2
+        rows = x.shape[0] if flat else math.prod(x.shape[:-1])
         limit = MAX_ROWS_BF16 if weight.dtype == torch.bfloat16 else MAX_ROWS
         ext = _ext.load() if rows <= limit else None
         if ext is not None:
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
                 bias = bias.float().contiguous()
-            x2 = x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous if needed
+            x2 = x if flat else x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous
             if rows <= MAX_ROWS:
                 y = ext.linear(x2, weight, bias, choice)
             else:
                 y = torch.cat([ext.linear(x2[i:i + MAX_ROWS], weight, bias, choice) for i in range(0, rows, MAX_ROWS)])
-            return y.reshape(*x.shape[:-1], weight.shape[0])
+            return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
     return torch_linear(x, weight, bias)
 
 

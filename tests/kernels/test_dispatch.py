@@ -1,12 +1,16 @@
 """`kvstate.kernels.linear`: any leading shape, the fallback forced (context manager and
 environment) and checked the same way, what goes to torch, `info()`, and the Linear drop-in."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 from kvstate import kernels
-from kvstate.kernels import _ext
+from kvstate.kernels import _ext, dispatch
 from tests.kernels.conftest import assert_close_to_truth, extension
 
 BACKENDS = ["auto", "torch", "amx", "avx512", "avx2"]
@@ -42,15 +46,23 @@ def test_environment_forces_the_fallback(monkeypatch):
     x, w = torch.randn(2, 16), torch.randn(8, 16)
     kernels.linear(x, w)
     assert calls == ["auto"]
-    monkeypatch.setenv(kernels.ENV, "torch")
+    monkeypatch.setenv(kernels.ENV, "Torch ")
+    monkeypatch.setattr(dispatch, "_DEFAULT", dispatch.backend_from_env())  # what an import reads
     torch.testing.assert_close(kernels.linear(x, w), x @ w.T)
     assert calls == ["auto"] and kernels.info()["backend"] == "torch"
     with kernels.backend("avx2"):  # the context manager wins over the environment
         kernels.linear(x, w)
     assert calls == ["auto", "avx2"]
-    monkeypatch.setenv(kernels.ENV, "fast")
+    monkeypatch.setattr(dispatch, "_DEFAULT", "fast")
     with pytest.raises(ValueError, match="KVSTATE_KERNELS='fast'"):
         kernels.linear(x, w)
+
+
+def test_environment_is_read_at_import():
+    env = dict(os.environ, KVSTATE_KERNELS="torch")
+    code = "from kvstate import kernels; print(kernels.info()['backend'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch"
 
 
 def test_what_goes_to_torch(monkeypatch):
