@@ -203,3 +203,13 @@ def test_samples_and_penalties_reach_the_engine(checkpoint, capsys):
     out, err = capsys.readouterr()
     assert "[sample 0]" in out and "[sample 1]" in out
     assert err.strip().splitlines()[-1].startswith("8 tokens") and "(2 length)" in err
+
+
+def test_streaming_into_a_closed_pipe_is_not_an_error(checkpoint):
+    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "generate", "--model", str(checkpoint), "the quick",
+                             "--max-tokens", "4", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err
