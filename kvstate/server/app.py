@@ -1,0 +1,99 @@
+"""The FastAPI application of `kvstate serve`: routes, error replies, the explorer's mount points.
+
+    app = create_app(EngineLoop(llm, model_name="tiny"))      # or create_app(llm): a loop is made
+    app = create_app(loop, routers=[explorer.router])         # more APIRouters (the explorer's API)
+
+The OpenAI routes live in `openai_routes`; this module wires them with /health and /metrics,
+turns every error into OpenAI's error JSON with a 4xx code (a malformed body is a 400, as OpenAI
+answers, not FastAPI's 422), and serves the explorer's static files at `/` (mounted last, so every
+API route is matched first). The app starts the engine loop on startup and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstate.server.engine_loop import EngineLoop
+from kvstate.server.protocol import ApiError, error_body
+
+STATIC_DIR = Path(__file__).parent / "static"
+log = logging.getLogger("kvstate.server")
+
+
+def create_app(engine, *, model_name: str | None = None, routers=(), static_dir: Path | None = STATIC_DIR,
+               api_key: str | None = None) -> FastAPI:
+    """The app over `engine`: an `EngineLoop`, or an `LLM` (a loop is made for it, named `model_name`).
+    `routers`: extra APIRouters to include (they see the loop as `request.app.state.engine_loop`);
+    `static_dir`: mounted at `/` when it exists (None: no static files)."""
+    from kvstate.server import metrics, openai_routes
+
+    loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, model_name=model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="kvstate", description="OpenAI-compatible server over the kvstate engine "
+                  "(paged KV for full attention, fixed state slots for linear layers)", lifespan=lifespan)
+    app.state.engine_loop = loop
+    app.state.metrics = metrics.ServerMetrics(loop)
+    app.add_middleware(metrics.CountRequests, metrics=app.state.metrics)
+    _error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(metrics.router)
+    for router in routers:
+        include_router(app, router)
+    if static_dir is not None and Path(static_dir).is_dir():
+        app.mount("/", StaticFiles(directory=static_dir, html=True), name="static")
+    return app
+
+
+def include_router(app: FastAPI, router) -> None:
+    """Mount another APIRouter (e.g. `kvstate.server.explorer.router`) before the static files, whose
+    catch-all mount at `/` would otherwise shadow it."""
+    static = [r for r in app.router.routes if getattr(r, "name", None) == "static"]
+    for r in static:
+        app.router.routes.remove(r)
+    app.include_router(router)
+    app.router.routes.extend(static)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        else:
+            message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}"
+            param = where[0] if where else None
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):  # an engine bug: say so, keep serving
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
+                            status_code=500)

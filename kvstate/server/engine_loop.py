@@ -1,0 +1,172 @@
+"""The one background thread that owns the engine core and steps it for every HTTP client.
+
+    loop = EngineLoop(llm, model_name="tiny"); loop.start()
+    async with loop.submit([(prompt_ids, params), ...]) as results:   # in a request handler
+        async for choice, out in results:      # EngineOutput of engine request `choice`, as they come
+            ...
+    loop.stop()
+
+Handlers never touch the engine: they send commands (add, abort) through a thread-safe queue and
+receive each step's outputs on their own asyncio queue (`call_soon_threadsafe`). The thread drains
+the commands, runs one `EngineCore.step()` over every running request (continuous batching across
+clients), routes the outputs, and waits on the queue when nothing is left to run. Leaving the
+`async with` early (a client that disconnected, a cancelled handler) aborts the unfinished
+requests: the engine frees their blocks and slots at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+
+from kvstate.engine.outputs import EngineOutput
+
+log = logging.getLogger("kvstate.server")
+_STOP = object()
+
+
+class Submission:
+    """One HTTP request's engine requests and the queue their outputs arrive on (asyncio side)."""
+
+    def __init__(self, loop: "EngineLoop", request_ids: list, aio_loop: asyncio.AbstractEventLoop):
+        self.engine_loop, self.request_ids = loop, request_ids
+        self._aio, self._queue = aio_loop, asyncio.Queue()
+        self._open = set(range(len(request_ids)))  # choices not finished yet
+
+    def put(self, choice: int, out: EngineOutput) -> None:
+        """Called on the engine thread."""
+        try:
+            self._aio.call_soon_threadsafe(self._queue.put_nowait, (choice, out))
+        except RuntimeError:  # the event loop is closed: the client is long gone
+            pass
+
+    async def __aenter__(self) -> "Submission":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the choices still running (no-op once all finished)."""
+        if self._open:
+            self.engine_loop.abort([self.request_ids[c] for c in self._open])
+            self._open.clear()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, EngineOutput]:
+        if not self._open:
+            raise StopAsyncIteration
+        choice, out = await self._queue.get()
+        if out.finished:
+            self._open.discard(choice)
+        return choice, out
+
+
+class EngineLoop:
+    def __init__(self, llm, *, model_name: str | None = None):
+        self.llm, self.core = llm, llm.engine
+        self.model_name = model_name or getattr(llm.plan, "name", None) or "kvstate"
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[object, tuple[Submission, int]] = {}  # engine request id -> (submission, choice); thread-only
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stats: dict = self.core.stats()  # a snapshot taken by the thread after every step
+        self.steps = 0
+        self.failures = 0  # steps that raised (engine bugs): their requests failed, serving went on
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="kvstate-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the asyncio side -------------------------------------------------------------------------
+    def submit(self, jobs: list) -> Submission:
+        """Queue engine requests, one per (prompt_token_ids, SamplingParams with n=1); their outputs
+        arrive tagged with the job's index. Must be called from a running event loop."""
+        ids = [f"req-{next(self._ids)}" for _ in jobs]
+        sub = Submission(self, ids, asyncio.get_running_loop())
+        self._commands.put(("add", sub, list(zip(ids, jobs))))
+        return sub
+
+    def abort(self, request_ids: list) -> None:
+        self._commands.put(("abort", list(request_ids)))
+
+    def stats(self) -> dict:
+        """The engine's counters and pool occupancy after the last step, plus requests queued to the thread."""
+        return {**self._stats, "num_pending": self._commands.qsize(), "num_steps": self.steps,
+                "num_step_failures": self.failures}
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            # block for a command only when the engine has nothing to do
+            if not self._drain(block=not self.core.has_unfinished()):
+                return
+            if not self.core.has_unfinished():
+                continue
+            try:
+                outs = self.core.step()
+            except Exception as exc:  # an engine bug must not stop the server: fail what was running
+                log.exception("engine step failed")
+                self.failures += 1
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self.steps += 1
+            for out in outs:
+                route = self._routes.get(out.request_id)
+                if route is not None:
+                    route[0].put(route[1], out)
+                    if out.finished:
+                        del self._routes[out.request_id]
+            self._stats = self.core.stats()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is _STOP:
+                self._fail_all("the server is shutting down", reason="abort")
+                return False
+            if cmd[0] == "add":
+                sub, jobs = cmd[1], cmd[2]
+                for choice, (rid, (ids, params)) in enumerate(jobs):
+                    self._routes[rid] = (sub, choice)
+                    self.core.add_request(rid, ids, params)
+            else:
+                for rid in cmd[1]:
+                    if self._routes.pop(rid, None) is not None:
+                        self.core.abort_request(rid)
+            self._stats = self.core.stats()
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        from kvstate.engine.outputs import RequestOutput
+
+        for rid, (sub, choice) in list(self._routes.items()):
+            out = RequestOutput.failed(rid, None, message)
+            out.outputs[0].finish_reason = reason
+            sub.put(choice, EngineOutput(rid, [], "", True, out))
+            try:
+                self.core.abort_request(rid)
+            except Exception:  # the engine is already in a bad state; the request is failed either way
+                log.exception("abort after a failed step")
+        self._routes.clear()

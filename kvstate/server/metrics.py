@@ -1,0 +1,74 @@
+"""`/metrics`: Prometheus text (prometheus-client) for one app, in its own registry (no globals).
+
+Counters kept by the server: requests by route and status code, prompt and generated tokens.
+Gauges read at scrape time from the engine loop's last snapshot of `EngineCore.stats()`: every
+numeric field becomes `kvstate_<field>` (requests running and waiting, KV blocks and state slots
+used and total, bytes in use, and whatever the engine adds later, such as prefix-cache hits),
+plus the requests queued to the engine thread (`kvstate_num_pending`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+router = APIRouter()
+
+
+class _EngineCollector:
+    def __init__(self, loop):
+        self.loop = loop
+
+    def collect(self):
+        for key, value in sorted(self.loop.stats().items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                name = "kvstate_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+                yield GaugeMetricFamily(name, f"engine: {key.replace('_', ' ')}", value=value)
+
+
+class ServerMetrics:
+    def __init__(self, loop):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvstate_http_requests", "HTTP requests answered, by route and status code",
+                                ["route", "code"], registry=self.registry)
+        self.prompt_tokens = Counter("kvstate_prompt_tokens", "prompt tokens of accepted requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kvstate_generation_tokens", "tokens generated for finished requests",
+                                         registry=self.registry)
+        self.registry.register(_EngineCollector(loop))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request):
+    return Response(request.app.state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+class CountRequests:
+    """ASGI middleware counting every answered request by route template (not the raw path, so the
+    labels stay bounded). Pure ASGI: it leaves streams and their cancellation alone."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.requests.labels(path, str(status["code"])).inc()

@@ -1,0 +1,242 @@
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+A handler checks the request (model name, sampling fields, prompt length against the engine's
+max_model_len: 4xx on anything wrong), turns it into engine requests (one per prompt and sample,
+sample k seeded seed + k as vLLM), hands them to the engine loop, and answers with the whole
+result or a stream of server-sent events. A request the engine itself rejects fails before any
+byte is sent, so it too is a 400. Leaving a stream early aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvstate.errors import KvstateError
+from kvstate.server import protocol as P
+from kvstate.server.protocol import ApiError
+from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    loop = request.app.state.engine_loop
+    if not loop.alive:
+        return JSONResponse(P.error_body("the engine loop is not running", "internal_error"), status_code=503)
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    loop = request.app.state.engine_loop
+    return {"object": "list", "data": [{"id": loop.model_name, "object": "model", "created": P.now(),
+                                        "owned_by": "kvstate", "max_model_len": loop.core.max_model_len}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    loop = request.app.state.engine_loop
+    if body.echo:
+        raise ApiError("echo is not supported", param="echo")
+    if body.suffix:
+        raise ApiError("suffix is not supported", param="suffix")
+    if body.best_of not in (None, body.n):
+        raise ApiError("best_of other than n is not supported", param="best_of")
+    prompts = _completion_prompts(loop, body.prompt)
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    return await _serve(request, body, prompts, params, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    loop = request.app.state.engine_loop
+    tokenizer = loop.llm.tokenizer
+    if tokenizer is None:
+        raise ApiError("this model has no tokenizer.json: chat needs its chat template", param="messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+    except KvstateError as exc:
+        raise ApiError(str(exc), param="messages") from None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    return await _serve(request, body, [ids], params, chat=True)
+
+
+# -- requests in ---------------------------------------------------------------------------------
+def _completion_prompts(loop, prompt) -> list[list[int]]:
+    """Token ids of each prompt: a text, token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError("prompt is empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if loop.llm.tokenizer is None:
+                raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
+            p = loop.llm.tokenizer.encode(p)
+        out.append(list(p))
+    return out
+
+
+def _check(loop, body, prompts: list[list[int]], params) -> None:
+    if body.model is not None and body.model != loop.model_name:
+        raise ApiError(f"The model `{body.model}` does not exist (this server serves `{loop.model_name}`)",
+                       status=404, param="model", code="model_not_found")
+    if body.stream and params.logprobs is not None:
+        raise ApiError("logprobs are not streamed yet: ask with stream false", param="logprobs")
+    limit, vocab = loop.core.max_model_len, loop.core.plan.vocab_size
+    for ids in prompts:
+        if not ids:
+            raise ApiError("prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        want = len(ids) + (params.max_tokens or 0)
+        if len(ids) >= limit or want > limit:
+            raise ApiError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{want} tokens ({len(ids)} in the prompt, {params.max_tokens or 0} in the completion). "
+                           f"Please reduce the length of the prompt or max_tokens.", param="prompt",
+                           code="context_length_exceeded")
+
+
+def _jobs(prompts, params) -> list:
+    return [(ids, params if params.n == 1 else params.for_sample(k)) for ids in prompts for k in range(params.n)]
+
+
+# -- results out ---------------------------------------------------------------------------------
+async def _serve(request: Request, body, prompts, params, *, chat: bool):
+    loop, metrics = request.app.state.engine_loop, request.app.state.metrics
+    _check(loop, body, prompts, params)
+    metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    sub = loop.submit(_jobs(prompts, params))
+    try:
+        first = await sub.__anext__()
+        _raise_if_failed(first[1])
+    except BaseException:
+        sub.close()
+        raise
+    reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _EngineStream(reply.stream(first, sub, include_usage, metrics), sub)
+    try:
+        reply.take(*first)
+        async for choice, out in sub:
+            reply.take(choice, out)
+    finally:
+        sub.close()
+    for out in reply.finals:
+        _raise_if_failed(out)
+    metrics.generation_tokens.inc(reply.completion_tokens)
+    return reply.whole()
+
+
+def _raise_if_failed(out) -> None:
+    output = getattr(out, "output", out)
+    if output is None or output.finish_reason != "error":
+        return
+    message = output.error or "the request failed"
+    if message.startswith("engine step failed"):
+        raise ApiError(message, status=500, type="internal_error")
+    if message.startswith("the server is shutting down"):
+        raise ApiError(message, status=503, type="unavailable")
+    raise ApiError(message, param="prompt")
+
+
+class _EngineStream(StreamingResponse):
+    """A stream of server-sent events that aborts its engine requests however it ends (finished,
+    the client gone, the handler cancelled)."""
+
+    def __init__(self, content, submission):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.close()
+
+
+class _Reply:
+    """Gathers one request's engine outputs into OpenAI's reply (whole, or chunk by chunk)."""
+
+    def __init__(self, loop, chat: bool, model: str, prompts, params):
+        self.chat, self.model, self.params = chat, model, params
+        self.id = P.new_id("chatcmpl" if chat else "cmpl")
+        self.created = P.now()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.finals = [None] * (len(prompts) * params.n)
+        tok = loop.llm.tokenizer
+        self.decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(f.token_ids) for f in self.finals if f is not None)
+
+    def take(self, choice: int, out) -> None:
+        if out.finished:
+            self.finals[choice] = out.output
+
+    def _logprobs(self, f):
+        if self.params.logprobs is None or f.logprobs is None:
+            return None
+        if self.chat:
+            return P.chat_logprobs(f.logprobs, f.token_ids, self.decode)
+        return P.completion_logprobs(f.logprobs, f.token_ids, self.decode)
+
+    def whole(self) -> dict:
+        choices = []
+        for i, f in enumerate(self.finals):
+            reason = P.finish_reason(f.finish_reason)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": f.text},
+                                "logprobs": self._logprobs(f), "finish_reason": reason, "stop_reason": f.stop_reason})
+            else:
+                choices.append({"index": i, "text": f.text, "logprobs": self._logprobs(f), "finish_reason": reason,
+                                "stop_reason": f.stop_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": P.usage(self.prompt_tokens, self.completion_tokens)}
+
+    def _chunk(self, choices: list, usage=None) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return P.sse(body)
+
+    def _piece(self, choice: int, text: str | None, reason=None, first=False) -> dict:
+        if not self.chat:
+            return {"index": choice, "text": text or "", "logprobs": None, "finish_reason": reason}
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        return {"index": choice, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+    async def stream(self, first, sub, include_usage: bool, metrics):
+        if self.chat:  # OpenAI opens each choice with the role
+            yield self._chunk([self._piece(c, None, first=True) for c in range(len(self.finals))])
+        item = first
+        while item is not None:
+            choice, out = item
+            self.take(choice, out)
+            if out.finished and out.output.finish_reason == "error":
+                yield P.sse(P.error_body(out.output.error or "the request failed"))
+            elif out.text or out.finished:
+                reason = P.finish_reason(out.output.finish_reason) if out.finished else None
+                if out.text and reason is not None and self.chat:  # the last text, then the end of the choice
+                    yield self._chunk([self._piece(choice, out.text)])
+                    yield self._chunk([self._piece(choice, None, reason)])
+                else:
+                    yield self._chunk([self._piece(choice, out.text, reason)])
+            item = await anext(sub, None)
+        metrics.generation_tokens.inc(self.completion_tokens)
+        if include_usage:
+            yield self._chunk([], P.usage(self.prompt_tokens, self.completion_tokens))
+        yield P.sse("[DONE]")

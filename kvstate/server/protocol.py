@@ -1,0 +1,74 @@
+"""OpenAI's reply shapes, built from the engine's outputs: errors, choices, usage, logprobs, chunks.
+
+Plain dicts (serialized by FastAPI/json), named as in OpenAI's API reference. Error replies are
+`{"error": {"message", "type", "param", "code"}}` with a 4xx status for anything the client sent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+
+class ApiError(Exception):
+    """A request the server refuses: becomes OpenAI's error JSON with `status`."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI knows "stop" and "length"; an aborted request ends as "stop" there is no one to read."""
+    return {"abort": "stop"}.get(reason, reason)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload) -> str:
+    """One server-sent event carrying JSON (or the literal [DONE])."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+# The engine gives per token (logprob of the chosen token, [(token id, logprob), ...] top-n).
+
+def completion_logprobs(entries, token_ids: list[int], decode, offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, offsets, tops = [], [], []
+    for tid, (_, top) in zip(token_ids, entries):
+        text = decode(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        tops.append({decode(t): lp for t, lp in top})
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries, token_ids: list[int], decode) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    def item(tid, lp):
+        text = decode(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(tid, lp), "top_logprobs": [item(t, l) for t, l in top]}
+                        for tid, (lp, top) in zip(token_ids, entries)]}

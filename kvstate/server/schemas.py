@@ -1,0 +1,110 @@
+"""Request bodies of the OpenAI endpoints (pydantic), and their translation to SamplingParams.
+
+Field names, types and defaults are OpenAI's; vLLM's extra sampling fields (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids) are accepted as vLLM does. Unknown fields are
+ignored (clients send `user` and the like). Bounds that protect the server (n, logprobs) are in
+the schema, so the OpenAPI document states them and a bad value is a 400 before any work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstate.engine.params import SamplingParams
+from kvstate.errors import KvstateError
+from kvstate.server.protocol import ApiError
+
+MAX_N = 16  # samples per prompt
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+SEED = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator.manual_seed's range (seed + k for n samples)
+
+TokenIds = list[int]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """The sampling fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); omitted: that model")
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = Field(None, description="up to 4 strings that end the output (left out)")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = SEED
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """One sample's params (n = 1: the route fans the n samples out with for_sample)."""
+        if self.logit_bias:
+            raise ApiError("logit_bias is not supported", param="logit_bias")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and len(stop) > 4:
+            raise ApiError(f"stop takes at most 4 strings, got {len(stop)}", param="stop")
+        fields = dict(temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                      min_p=self.min_p or 0.0, seed=self.seed, stop=[s for s in stop or [] if s] or None,
+                      stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                      logprobs=logprobs, n=self.n, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty,
+                      repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+        try:
+            return SamplingParams(**fields)
+        except KvstateError as exc:  # "SamplingParams.top_p must be ..." -> param top_p
+            message = str(exc)
+            param = message.split(".", 1)[1].split(" ", 1)[0] if message.startswith("SamplingParams.") else None
+            raise ApiError(message.removeprefix("SamplingParams."), param=param) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
+        ..., description="a text, token ids, or a list of either (one choice group per prompt)")
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's extra
