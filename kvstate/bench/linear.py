@@ -54,6 +54,18 @@ def kernel_path(info: dict, dtype: str, rows: int) -> str:
     return isa if calls == 1 else f"{isa} x{calls}"
 
 
+def interleaved(fns, min_time: float, rounds: int = 3) -> list[float]:
+    """Seconds per call of each fn: the best of `rounds` medians, the fns taking turns, so that a
+    burst of load from other processes does not land on one side only."""
+    from kvstate.bench.timing import time_fn
+
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            times[i].append(time_fn(fn, warmup=int(r == 0), min_time=min_time / rounds))
+    return [min(t) for t in times]
+
+
 def read_bandwidth(mib: int) -> float:
     """Bytes/s of a plain read: torch's sum over `mib` MiB (every byte read once, nothing written)."""
     import torch
@@ -70,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from kvstate import kernels
-    from kvstate.bench.timing import start, time_fn
+    from kvstate.bench.timing import start
 
     console, limits = start(args)
     size = "quick" if args.quick else "0.5b"
@@ -105,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     F.linear(x, w)
 
             with console.status(f"{d} weights, M={m}"), torch.inference_mode():
-                t = time_fn(ours, warmup=1, min_time=min_time)
-                t_ref = time_fn(theirs, warmup=1, min_time=min_time)
+                t, t_ref = interleaved([ours, theirs], min_time)
             path = kernel_path(info, d, m)
             results.append(dict(dtype=d, rows=m, path=path, ms=1e3 * t, gbps=nbytes / t / 1e9,
                                 read_fraction=nbytes / t / read_bw, tokens_per_s=m / t, torch_ms=1e3 * t_ref,
@@ -135,4 +146,11 @@ def run(args: argparse.Namespace) -> int:
                       f"{r['vs_one_row']:.2f}" if r["vs_one_row"] else "-", f"{r['torch_ms']:.1f}",
                       f"{r['speedup_vs_torch']:.2f}")
     console.print(table)
+    speed = {(r["dtype"], r["rows"]): r for r in results}
+    if ("fp32", 1) in speed and ("bf16", 1) in speed:
+        ratio = speed["bf16", 1]["tokens_per_s"] / speed["fp32", 1]["tokens_per_s"]
+        console.print(f"bf16 / fp32 weights, M=1: {ratio:.2f}x the tokens/s")
+    for d in wanted:
+        if (d, 8) in speed:
+            console.print(f"{d}: M=8 costs {speed[d, 8]['vs_one_row']:.2f}x the time of M=1")
     return 0
