@@ -88,6 +88,7 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos)),
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
+        self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
 
@@ -116,6 +117,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """One engine step; the new output of every request that changed in it."""
         step = self.scheduler.schedule()
+        self.last_step = step
         out = self.runner.execute(step)  # an empty step still drops finished requests' state
         if step.is_empty and not self.scheduler.running and self.scheduler.waiting:
             # `Scheduler.add` rejects what the pools can never hold, so this is an engine bug
