@@ -87,14 +87,19 @@ class Batch:
         if any(m == "decode" and q != 1 for m, q in zip(modes, query_lens)):
             raise ValueError("a decode entry computes exactly one token")
         offsets = [0, *accumulate(query_lens)]
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        # index arithmetic on small host tensors (serial, no device sync), each moved to `device` once
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        to = lambda t: t if device is None else t.to(device, non_blocking=True)  # noqa: E731
 
         width = max(1, max((len(t) for t in block_tables), default=0))
         tables = as_t([list(t) + [-1] * (width - len(t)) for t in block_tables]).view(n, width)
-        q_t, cu = as_t(query_lens), as_t(offsets)
-        # [T] entry of each token; output_size given: no device sync on the total
-        entry = torch.repeat_interleave(torch.arange(n, device=device), q_t, output_size=offsets[-1])
-        positions = torch.arange(offsets[-1], device=device) - cu[entry] + as_t(context_lens)[entry]
+        cu = as_t(offsets)
+        # [T] entry of each token: how many entries end at or before it. (Not repeat_interleave: its CPU
+        # kernel always wakes the thread pool, milliseconds on a busy machine.)
+        ends = cu[1:n]
+        entry = torch.zeros(offsets[-1] + 1, dtype=torch.int64).index_add_(0, ends, torch.ones_like(ends))
+        entry = entry[:-1].cumsum(0)
+        positions = torch.arange(offsets[-1]) - cu[entry] + as_t(context_lens)[entry]
         kv_indices = tables[entry, positions // block_size] * block_size + positions % block_size
 
         if logits == "all":
@@ -106,26 +111,27 @@ class Batch:
             rows = [offsets[i + 1] - 1 for i in wanted if query_lens[i] > 0]
         else:
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        slots = as_t(state_slots)
+        slots = to(as_t(state_slots))
         groups = tuple(_group(mode, [i for i in range(n) if modes[i] == mode], query_lens, context_lens,
-                              offsets, slots, device)
+                              offsets, slots, to)
                        for mode in ("decode", "prefill") if mode in modes)
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
-                   cu_seqlens=cu, positions=positions, state_slots=slots, block_tables=tables, kv_indices=kv_indices,
-                   block_size=block_size, logits_indices=as_t(rows), groups=groups)
+                   cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),
+                   kv_indices=to(kv_indices), block_size=block_size, logits_indices=to(as_t(rows)), groups=groups)
 
 
-def _group(mode: str, entries: list[int], query_lens, context_lens, offsets, slots, device) -> StateGroup:
+def _group(mode: str, entries: list[int], query_lens, context_lens, offsets, slots, to) -> StateGroup:
     """The group of `entries`; their token rows are a slice when they are consecutive in the batch."""
     lens = [query_lens[i] for i in entries]
     if entries == list(range(entries[0], entries[-1] + 1)):
         rows: slice | torch.Tensor = slice(offsets[entries[0]], offsets[entries[-1] + 1])
     else:
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=device) for i in entries])
-    idx = torch.tensor(entries, dtype=torch.int64, device=device)
+        rows = to(torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in entries]))
+    whole = len(entries) == len(query_lens)
+    group_slots = slots if whole else slots.index_select(0, to(torch.tensor(entries, dtype=torch.int64)))
     fresh = [j for j, i in enumerate(entries) if context_lens[i] == 0]
-    group_slots = slots if len(entries) == len(query_lens) else slots.index_select(0, idx)
-    return StateGroup(mode, entries, rows, sum(lens),
-                      torch.tensor([0, *accumulate(lens)], dtype=torch.int64, device=device), group_slots,
-                      group_slots[fresh] if fresh else None)
+    fresh_slots = None if not fresh else group_slots if len(fresh) == len(entries) else \
+        group_slots.index_select(0, to(torch.tensor(fresh, dtype=torch.int64)))
+    return StateGroup(mode, entries, rows, sum(lens), to(torch.tensor([0, *accumulate(lens)], dtype=torch.int64)),
+                      group_slots, fresh_slots)
