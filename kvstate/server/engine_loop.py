@@ -21,6 +21,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 
 from kvstate.engine.outputs import EngineOutput
 
@@ -78,6 +79,9 @@ class EngineLoop:
         self._stats: dict = self.core.stats()  # a snapshot taken by the thread after every step
         self.steps = 0
         self.failures = 0  # steps that raised (engine bugs): their requests failed, serving went on
+        # called on the engine thread after every step as observer(core, outputs, seconds): the explorer's
+        # step timeline and engine view read core.last_step and the pools there, between steps
+        self.step_observers: list = []
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,7 +125,9 @@ class EngineLoop:
             if not self.core.has_unfinished():
                 continue
             try:
+                started = time.perf_counter()
                 outs = self.core.step()
+                seconds = time.perf_counter() - started
             except Exception as exc:  # an engine bug must not stop the server: fail what was running
                 log.exception("engine step failed")
                 self.failures += 1
@@ -135,6 +141,11 @@ class EngineLoop:
                     if out.finished:
                         del self._routes[out.request_id]
             self._stats = self.core.stats()
+            for observe in self.step_observers:
+                try:
+                    observe(self.core, outs, seconds)
+                except Exception:  # a broken view must not stop the engine
+                    log.exception("step observer failed")
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
