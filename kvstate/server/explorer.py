@@ -1,0 +1,186 @@
+"""The explorer's API: the numbers behind the live page served at `/` (kvstate/server/static).
+
+    app = create_app(loop, routers=[explorer.router])
+
+Routes under /explorer/api (kept out of the OpenAPI schema: they serve the page, not clients):
+
+    GET  models     bundled configs and the served model
+    GET  memory     ?model=NAME|loaded&context=N: `kvstate memory --json --layers` at N, the three
+                    curves (MHA / GQA on every layer, the actual hybrid), each layer's cache at N
+    POST memory     {"config": {...config.json...}, "context": N}: the same for an uploaded config
+    GET  engine     ?since=STEP: pools, each request's blocks and slot, step records after STEP
+    POST cache      {"prompt": text, "max_tokens": k}: run it; positions per step with the cache
+                    (the engine's own steps) and without (the whole prefix recomputed each step)
+    POST recall     {"task": "needle"|"phonebook", "size": n, "seed": s}: candidates' probabilities
+
+The router's lifespan hangs a `StepRecorder` on the app's engine loop (`step_observers`), so the
+timeline starts with the server. Every bad input is a 400 with the server's error JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, Field
+
+from kvstate.errors import KvstateError
+from kvstate.server.explorer_engine import StepRecorder
+from kvstate.server.protocol import ApiError
+
+MAX_CACHE_TOKENS = 64
+
+
+def recorder(app) -> StepRecorder | None:
+    """The app's step recorder, hung on its engine loop on first use (None without an engine)."""
+    loop = getattr(app.state, "engine_loop", None)
+    if loop is None:
+        return None
+    rec = getattr(app.state, "explorer_recorder", None)
+    if rec is None:
+        rec = app.state.explorer_recorder = StepRecorder()
+        rec.view = rec.snapshot(loop.core)  # before the first step: the engine thread has nothing to do yet
+        loop.step_observers.append(rec)
+    return rec
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app):
+    recorder(app)
+    yield
+
+
+router = APIRouter(prefix="/explorer/api", include_in_schema=False, lifespan=_lifespan)
+
+
+def _bad(exc: Exception) -> ApiError:
+    return ApiError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _loaded_plan(request: Request):
+    loop = getattr(request.app.state, "engine_loop", None)
+    return None if loop is None else loop.core.plan
+
+
+@router.get("/models")
+async def models(request: Request):
+    from kvstate.config.reader import bundled_names
+
+    loop = getattr(request.app.state, "engine_loop", None)
+    return {"bundled": bundled_names(), "loaded": None if loop is None else loop.model_name}
+
+
+def _memory(request: Request, model: str | None, config: dict | None, context: int | None) -> dict:
+    from kvstate.server.explorer_memory import memory_view, plan_for
+
+    try:
+        plan = plan_for(model, config, _loaded_plan(request))
+    except KvstateError as exc:
+        raise _bad(exc) from None
+    except Exception as exc:  # an uploaded config the adapters trip over: the user's file, not a server fault
+        raise ApiError(f"cannot read this config.json: {type(exc).__name__}: {exc}") from None
+    try:
+        return memory_view(plan, context=context)
+    except KvstateError as exc:
+        raise _bad(exc) from None
+
+
+@router.get("/memory")
+async def memory(request: Request, model: str = "qwen3.5-0.8b", context: int | None = None):
+    return _memory(request, model, None, context)
+
+
+class ConfigUpload(BaseModel):
+    config: dict[str, Any]
+    context: int | None = None
+
+
+@router.post("/memory")
+async def memory_upload(body: ConfigUpload, request: Request):
+    return _memory(request, None, body.config, body.context)
+
+
+@router.get("/engine")
+async def engine(request: Request, since: int = -1):
+    rec = recorder(request.app)
+    if rec is None:
+        return {"available": False}
+    loop = request.app.state.engine_loop
+    return {"available": True, "model": loop.model_name, "view": rec.view, "timeline": rec.timeline(since)}
+
+
+class CacheRun(BaseModel):
+    prompt: str = Field(min_length=1, max_length=20000)
+    max_tokens: int = Field(default=8, ge=1, le=MAX_CACHE_TOKENS)
+
+
+def _engine_parts(request: Request):
+    loop = getattr(request.app.state, "engine_loop", None)
+    if loop is None:
+        raise ApiError("no model is loaded by this server", status=409)
+    if loop.core.tokenizer is None:
+        raise ApiError("the served checkpoint has no tokenizer.json: the explorer needs one for text prompts",
+                       status=409)
+    return loop, recorder(request.app)
+
+
+@router.post("/cache")
+async def cache_run(body: CacheRun, request: Request):
+    from kvstate.engine.params import SamplingParams
+
+    loop, rec = _engine_parts(request)
+    ids = loop.core.tokenizer.encode(body.prompt)
+    room = loop.core.max_model_len - body.max_tokens
+    if not ids or len(ids) > room:
+        raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")
+    params = SamplingParams(temperature=0, max_tokens=body.max_tokens, ignore_eos=True)
+    sub = loop.submit([(ids, params)])
+    final = None
+    async with sub:
+        async for _, out in sub:
+            if out.finished:
+                final = out.output
+    if final is None or final.error:
+        raise ApiError(final.error if final is not None else "the request did not finish")
+    steps = rec.positions(sub.request_ids[0])
+    text = final.outputs[0].text if final.outputs else ""
+    return {"prompt_tokens": len(ids), "output_tokens": len(final.outputs[0].token_ids), "text": text,
+            "request_id": sub.request_ids[0], "steps": steps,
+            "with_cache_total": sum(s["with_cache"] for s in steps),
+            "without_cache_total": sum(s["without_cache"] for s in steps)}
+
+
+class RecallRun(BaseModel):
+    task: Literal["needle", "phonebook"] = "needle"
+    size: int = Field(default=20, ge=1, le=2000)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    depth: float | None = Field(default=None, ge=0, le=1)
+
+
+@router.post("/recall")
+async def recall(body: RecallRun, request: Request):
+    from kvstate.server import explorer_recall
+
+    loop, _ = _engine_parts(request)
+    state = request.app.state
+    if getattr(state, "explorer_recall_lock", None) is None:  # handlers run on the event loop: no race here
+        state.explorer_recall_lock = threading.Lock()  # one scoring forward at a time beside the engine thread
+    lock = state.explorer_recall_lock
+    try:
+        prompt, answer, candidates = explorer_recall.example(body.task, body.size, body.seed, body.depth)
+    except KvstateError as exc:
+        raise _bad(exc) from None
+
+    def run():
+        with lock:
+            return explorer_recall.score(loop.core.model, loop.core.tokenizer, prompt, candidates,
+                                         loop.core.max_model_len)
+    try:
+        prompt_tokens, rows = await run_in_threadpool(run)
+    except KvstateError as exc:
+        raise _bad(exc) from None
+    return {"task": body.task, "size": body.size, "seed": body.seed, "prompt": prompt, "answer": answer,
+            "prompt_tokens": prompt_tokens, "candidates": rows}

@@ -1,0 +1,109 @@
+"""The explorer's view of the running engine: a step recorder called by the server's engine loop.
+
+`StepRecorder` is one of `EngineLoop.step_observers`: after every `EngineCore.step()`, on the
+engine thread (so it reads the scheduler between steps, never in the middle of one), it keeps
+
+- one timeline record per step: wall milliseconds, tokens computed, split into prefill tokens
+  (prompt chunks, recompute after preemption) and decode tokens (one new position of a request
+  that has produced output), from the step's own SchedulerOutput (`core.last_step`);
+- per engine request, the positions each step computed for it (the cache-on/off panel);
+- a view of the pools: each request's KV block table (blocks fill one token at a time) next to
+  its one fixed state slot, pool occupancy, the engine's counters (prefix-cache figures appear
+  here once `EngineCore.stats()` reports them), and the requests finished last.
+
+Readers on other threads only ever get the latest immutable snapshot (a dict replaced whole).
+No torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+
+STANDARD_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "state_slots_used",
+                  "state_slots_total", "kv_bytes_in_use", "state_bytes_in_use")
+
+
+def _request_row(seq, computed: int, blocks: list[int], slot, status: str) -> dict:
+    return {"id": str(seq.request_id), "status": status, "prompt_tokens": seq.num_prompt_tokens,
+            "output_tokens": seq.num_output_tokens, "computed": computed, "blocks": list(blocks), "slot": slot,
+            "preemptions": seq.num_preemptions}
+
+
+def step_modes(step) -> list[str]:
+    """"decode" or "prefill" for each entry of a SchedulerOutput: decode is one new position of a
+    request past its prompt; everything else (prompt chunks, recompute) is prefill work."""
+    return ["decode" if n == 1 and ctx >= seq.num_prompt_tokens else "prefill"
+            for seq, n, ctx in zip(step.seqs, step.num_tokens, step.context_lens)]
+
+
+class StepRecorder:
+    def __init__(self, *, max_steps: int = 400, max_finished: int = 8, max_requests: int = 256):
+        self.steps: deque[dict] = deque(maxlen=max_steps)
+        self.num_steps = 0
+        self.history: OrderedDict[str, list[dict]] = OrderedDict()  # request id -> per-step records
+        self.max_requests = max_requests
+        self.finished: deque[dict] = deque(maxlen=max_finished)
+        self._last_seen: dict[str, dict] = {}  # request id -> its row at its last step (blocks before release)
+        self.view: dict | None = None
+
+    # -- on the engine thread ---------------------------------------------------------------------
+    def __call__(self, core, outputs, seconds: float) -> None:
+        step = core.last_step
+        if step is not None and not step.is_empty:
+            self._record(step, seconds)
+        for out in outputs:
+            if out.finished:
+                rid = str(out.request_id)
+                row = self._last_seen.pop(rid, None)
+                if row is not None:
+                    reason = out.output.outputs[0].finish_reason if out.output and out.output.outputs else None
+                    self.finished.appendleft({**row, "status": "finished", "finish_reason": reason})
+        self.view = self.snapshot(core)
+
+    def _record(self, step, seconds: float) -> None:
+        modes = step_modes(step)
+        index = self.num_steps
+        self.num_steps += 1
+        entries = []
+        for seq, n, ctx, table, slot, mode in zip(step.seqs, step.num_tokens, step.context_lens,
+                                                 step.block_tables, step.state_slots, modes):
+            rid = str(seq.request_id)
+            entries.append({"id": rid, "tokens": n, "mode": mode})
+            self._last_seen[rid] = _request_row(seq, ctx + n, table, slot, "running")
+            record = {"step": index, "computed": n, "context": ctx, "mode": mode}
+            self.history.setdefault(rid, []).append(record)
+            self.history.move_to_end(rid)
+        while len(self.history) > self.max_requests:
+            self.history.popitem(last=False)
+        prefill = sum(e["tokens"] for e in entries if e["mode"] == "prefill")
+        self.steps.append({"step": index, "time": time.time(), "ms": seconds * 1e3, "tokens": step.total_tokens,
+                           "prefill_tokens": prefill, "decode_tokens": step.total_tokens - prefill,
+                           "entries": entries})
+
+    def snapshot(self, core) -> dict:
+        """The engine view now (call between steps: on the engine thread, or before it starts)."""
+        s, sizes = core.scheduler, core.runner.sizes
+        stats = core.stats()
+        running = [_request_row(q, q.num_computed_tokens, q.block_table, q.state_slot, "running") for q in s.running]
+        waiting = [_request_row(q, q.num_computed_tokens, q.block_table, q.state_slot, "waiting") for q in s.waiting]
+        return {"block_size": s.config.block_size, "block_bytes": sizes.block_bytes, "slot_bytes": sizes.slot_bytes,
+                "kv_blocks_total": sizes.num_blocks, "kv_blocks_used": stats["kv_blocks_used"],
+                "state_slots_total": sizes.num_slots, "state_slots_used": stats["state_slots_used"],
+                "kv_bytes_in_use": stats["kv_bytes_in_use"], "state_bytes_in_use": stats["state_bytes_in_use"],
+                "max_model_len": core.max_model_len, "requests": running + waiting,
+                "finished": list(self.finished), "num_steps": self.num_steps,
+                "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS}}
+
+    # -- on any thread ----------------------------------------------------------------------------
+    def timeline(self, since: int = -1) -> list[dict]:
+        """Step records with index > `since` (oldest first)."""
+        return [r for r in list(self.steps) if r["step"] > since]
+
+    def positions(self, request_id: str) -> list[dict]:
+        """The per-step records of one engine request: positions computed with the cache, and the
+        positions a model without a cache recomputes at the same step (the whole prefix so far)."""
+        rows = []
+        for r in list(self.history.get(str(request_id), ())):
+            rows.append({**r, "with_cache": r["computed"], "without_cache": r["context"] + r["computed"]})
+        return rows
