@@ -80,23 +80,32 @@ def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.
     """Run the recurrence over the step: `tokens` are the per-token inputs [T, ...] by the ops' argument
     names, `shared` the other arguments of both forms, `prefill` / `decode` those of one form only.
     Reads and writes the entries' states in `pool` [num_slots, *state]; returns o [T, ...]."""
+    only = {"prefill": prefill or {}, "decode": decode or {}}
     parts = []
     for group in batch.groups:
-        if group.mode == "decode":  # [n, 1, ...]: one token per sequence
-            xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}
-            o = _decode(ops, pool, group, xs, {**shared, **(decode or {})})
-        else:  # one packed [1, T_g, ...] with the group's cu_seqlens
-            xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
-            o, state = ops.chunk(**xs, **shared, **(prefill or {}), initial_state=_rows(pool, group),
-                                 output_final_state=True, cu_seqlens=group.cu_seqlens)
-            _write(pool, group, state)
+        o = _RUN[group.mode](ops, pool, group, tokens, {**shared, **only[group.mode]})
         parts.append((group.rows, o.reshape(group.num_tokens, *o.shape[2:])))
     return _scatter(parts, next(iter(tokens.values())).shape[0])
 
 
-def _decode(ops: RecurrentOps, pool: torch.Tensor, group, xs: dict, kwargs: dict) -> torch.Tensor:
-    """One token per entry through the recurrent op, which updates the pool's rows itself."""
+def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict) -> torch.Tensor:
+    """The group's sequences as one packed [1, T_g, ...] through the chunk op; final states written back."""
+    xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
+    o, state = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
+                         cu_seqlens=group.cu_seqlens)
+    _write(pool, group, state)
+    return o
+
+
+def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict) -> torch.Tensor:
+    """One token per sequence, [n, 1, ...], through the recurrent op, which updates the pool's rows itself."""
+    xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}
     if group.fresh_slots is not None:
         pool.index_fill_(0, group.fresh_slots, 0)
     o, _ = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots, inplace_final_state=True)
     return o
+
+
+# per mode, how a group runs. "verify" (speculative decoding) goes here: [n, k+1, ...] through the
+# recurrent op with output_all_states=True, the state after every draft token kept for rollback.
+_RUN = {"prefill": _prefill, "decode": _decode}
