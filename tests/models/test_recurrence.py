@@ -58,11 +58,12 @@ def test_mixed_step_equals_each_sequence_apart(kind, window):
     layer, cache = layer_and_pools(kind, window)
     g = torch.Generator().manual_seed(0)
     x = lambda n: torch.randn(n, HIDDEN, generator=g)  # noqa: E731
-    # caches to continue from: slot 3 holds 7 tokens, slot 1 holds 4 (slot 0 holds stale garbage)
+    # caches to continue from: slot 3 holds 7 tokens, slot 1 holds 4 (slots 0 and 4 hold stale garbage)
     run(layer, cache, [(x(7), 0, 3), (x(4), 0, 1)])
-    cache.state[0], cache.conv[0] = 5.0, 5.0
-    # decodes and prefills interleaved: decode, fresh prefill (stale slot), decode, continued prefill
-    entries = [(x(1), 7, 3), (x(6), 0, 0), (x(1), 4, 1), (x(5), 0, 2)]
+    cache.state[0], cache.conv[0], cache.state[4], cache.conv[4] = 5.0, 5.0, -3.0, -3.0
+    # decodes and prefills interleaved: decode, fresh prefill (stale slot), decode, fresh prompt of one
+    # token (a decode entry on a stale slot), prefill
+    entries = [(x(1), 7, 3), (x(6), 0, 0), (x(1), 4, 1), (x(1), 0, 4), (x(5), 0, 2)]
     apart_cache = copy(cache)
     apart = torch.cat([run(layer, apart_cache, [e]) for e in entries])
     mixed = run(layer, cache, entries)
