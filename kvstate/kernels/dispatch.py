@@ -2,9 +2,8 @@
 
 The extension serves CPU float32 x with at most `MAX_ROWS` rows (all leading dimensions
 flattened; `MAX_ROWS_BF16` for bf16 weights) and a contiguous float32 or bfloat16 weight,
-outside autograd. Everything else, and
-everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
-first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in
+outside autograd. Everything else, and everything when the extension is missing, runs
+`F.linear` in x's dtype (a bf16 weight is upcast first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in
 the environment (read at import), or `with kernels.backend("torch"):` (tests), which wins.
 """
 
