@@ -134,6 +134,12 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
             self.steps += 1
+            # observers first: a handler that sees its request finish then finds the step recorded
+            for observe in self.step_observers:
+                try:
+                    observe(self.core, outs, seconds)
+                except Exception:  # a broken view must not stop the engine
+                    log.exception("step observer failed")
             for out in outs:
                 route = self._routes.get(out.request_id)
                 if route is not None:
@@ -141,11 +147,6 @@ class EngineLoop:
                     if out.finished:
                         del self._routes[out.request_id]
             self._stats = self.core.stats()
-            for observe in self.step_observers:
-                try:
-                    observe(self.core, outs, seconds)
-                except Exception:  # a broken view must not stop the engine
-                    log.exception("step observer failed")
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
