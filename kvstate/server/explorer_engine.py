@@ -46,6 +46,8 @@ class StepRecorder:
         self.finished: deque[dict] = deque(maxlen=max_finished)
         self._last_seen: dict[str, dict] = {}  # request id -> its row at its last step (blocks before release)
         self.view: dict | None = None
+        # since the start, by step kind (a step with any prefill work counts as a prefill step)
+        self.totals = {kind: {"steps": 0, "tokens": 0, "ms": 0.0} for kind in ("prefill", "decode")}
 
     # -- on the engine thread ---------------------------------------------------------------------
     def __call__(self, core, outputs, seconds: float) -> None:
@@ -77,6 +79,10 @@ class StepRecorder:
         while len(self.history) > self.max_requests:
             self.history.popitem(last=False)
         prefill = sum(e["tokens"] for e in entries if e["mode"] == "prefill")
+        total = self.totals["prefill" if prefill else "decode"]
+        total["steps"] += 1
+        total["tokens"] += step.total_tokens
+        total["ms"] += seconds * 1e3
         self.steps.append({"step": index, "time": time.time(), "ms": seconds * 1e3, "tokens": step.total_tokens,
                            "prefill_tokens": prefill, "decode_tokens": step.total_tokens - prefill,
                            "entries": entries})
@@ -93,6 +99,7 @@ class StepRecorder:
                 "kv_bytes_in_use": stats["kv_bytes_in_use"], "state_bytes_in_use": stats["state_bytes_in_use"],
                 "max_model_len": core.max_model_len, "requests": running + waiting,
                 "finished": list(self.finished), "num_steps": self.num_steps,
+                "step_totals": {k: dict(v) for k, v in self.totals.items()},
                 "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS}}
 
     # -- on any thread ----------------------------------------------------------------------------

@@ -138,7 +138,8 @@ def engine_view(client, since=-1):
 
 def test_the_timeline_records_each_step_of_a_chunked_prefill_and_its_decodes(client):
     wait_idle(client.app_ref)
-    before = engine_view(client)["view"]["num_steps"]
+    first = engine_view(client)["view"]
+    before, totals = first["num_steps"], first["step_totals"]
     prompt = list(range(3, 3 + CHUNK + 36))  # 100 tokens: two prefill chunks
     r = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5,
                                              "temperature": 0, "ignore_eos": True})
@@ -152,6 +153,8 @@ def test_the_timeline_records_each_step_of_a_chunked_prefill_and_its_decodes(cli
     assert all(s["ms"] > 0 and len(s["entries"]) == 1 for s in steps)
     view = data["view"]
     assert view["num_steps"] == before + 6 and view["kv_blocks_used"] == 0 and view["state_slots_used"] == 0
+    grew = {k: {f: view["step_totals"][k][f] - totals[k][f] for f in ("steps", "tokens")} for k in totals}
+    assert grew == {"prefill": {"steps": 2, "tokens": 100}, "decode": {"steps": 4, "tokens": 4}}
     last = view["finished"][0]  # its blocks and slot as the last step held them
     assert last["computed"] == 104 and len(last["blocks"]) == math.ceil(104 / view["block_size"])
     assert last["finish_reason"] == "length" and last["id"] == steps[0]["entries"][0]["id"]

@@ -89,15 +89,13 @@ function drawTimeline() {
   });
   parts.push(el("text", {x: L, y: H - 6, text: `last ${steps.length} steps · top: ms per step · bottom: tokens per step (log)`}));
   svg.replaceChildren(...parts);
-  const sum = (xs, f) => xs.reduce((a, s) => a + f(s), 0);
-  const pre = steps.filter((s) => s.prefill_tokens), dec = steps.filter((s) => !s.prefill_tokens);
-  const preTok = sum(pre, (s) => s.tokens), preMs = sum(pre, (s) => s.ms);
-  const decTok = sum(dec, (s) => s.tokens), decMs = sum(dec, (s) => s.ms);
-  const text = [`${steps.length} steps`];
-  if (pre.length) text.push(`prefill: ${preTok} tokens in ${pre.length} steps, ${preMs.toFixed(1)} ms ` +
-                            `(${(preMs / preTok).toFixed(3)} ms per token)`);
-  if (dec.length) text.push(`decode: ${dec.length} steps, ${(decMs / dec.length).toFixed(2)} ms per step, ` +
-                            `${(decTok / dec.length).toFixed(1)} tokens per step (${(decMs / decTok).toFixed(3)} ms per token)`);
+  const t = engine.view ? engine.view.step_totals : null;  // since the server started, from the recorder
+  const text = [`${engine.view ? engine.view.num_steps : steps.length} steps since start`];
+  if (t && t.prefill.steps) text.push(`prefill: ${t.prefill.tokens} tokens in ${t.prefill.steps} steps, ` +
+    `${t.prefill.ms.toFixed(1)} ms (${(t.prefill.ms / t.prefill.tokens).toFixed(3)} ms per token)`);
+  if (t && t.decode.steps) text.push(`decode: ${t.decode.steps} steps, ${(t.decode.ms / t.decode.steps).toFixed(2)} ` +
+    `ms per step, ${(t.decode.tokens / t.decode.steps).toFixed(1)} tokens per step ` +
+    `(${(t.decode.ms / t.decode.tokens).toFixed(3)} ms per token)`);
   document.getElementById("timeline-summary").textContent = text.join(" · ");
 }
 
