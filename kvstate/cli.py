@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "memory": "per-request KV and fixed-state bytes of hybrid models (torch-free)",
     "generate": "stream a completion from a checkpoint with the engine (paged KV + state slots)",
     "bench": "benchmarks: ops, model, engine (ratios against transformers, fraction of machine limits)",
+    "serve": "OpenAI-compatible HTTP server over the engine, with the cache explorer at / (loopback by default)",
 }
 
 

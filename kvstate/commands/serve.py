@@ -1,0 +1,133 @@
+"""`kvstate serve [--model PATH_OR_HUB_ID] [--host 127.0.0.1] [--port 8000]`: the OpenAI-compatible
+server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) and the cache
+explorer at `/`, over one engine stepped by one background loop.
+
+Loopback by default: the server has no authentication, so exposing it is an explicit --host.
+The port is bound before the model loads, so a busy port is one line at once; --port 0 takes any
+free port (the URL line on stderr says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from kvstate.errors import KvstateError
+
+BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 (any free port) to 65535, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    from kvstate.commands.generate import _positive_int as check
+
+    return check(text)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
+                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
+                             "hub id (default: the project's bundled model, when one is bundled)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only; the server has no auth)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model's name in the API (default: the --model argument's last path part)")
+    parser.add_argument("--cache-memory", default=None, metavar="SIZE",
+                        help="KV + state pool budget, e.g. 4GiB (default: a fraction of the free memory)")
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                        help="longest prompt + output in tokens, at most the model's (default: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=32, metavar="N",
+                        help="most requests running at once (and state slots) (default: 32)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
+                        help="most tokens computed in one engine step (default: 2048)")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="seed of the requests that give none (default: fresh randomness)")
+    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (default: warning)")
+
+
+def bundled_model() -> Path | None:
+    """The project's default model: the first checkpoint with weights under kvstate/data/models."""
+    if not BUNDLED_MODELS.is_dir():
+        return None
+    for path in sorted(BUNDLED_MODELS.iterdir()):
+        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+            return path
+    return None
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket (IPv4 or IPv6 by the host's form); a busy port or a bad host is one line."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise KvstateError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvstate.server.app import create_app
+    except ImportError as exc:
+        raise KvstateError(f"kvstate serve needs the serve extra ({exc.name} is missing): "
+                           f"pip install 'kvstate[serve]'") from None
+    model = args.model or bundled_model()
+    if model is None:
+        raise KvstateError("no model is bundled yet: pass --model PATH_OR_HUB_ID (a checkpoint directory with "
+                           "config.json, *.safetensors and tokenizer.json, or a Hugging Face hub id)")
+    sock = listen(args.host, args.port)
+    try:
+        app = _app(args, model)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"kvstate serve: {app.state.engine_loop.model_name} on http://{shown}:{port} "
+              f"(OpenAI API /v1, explorer /, metrics /metrics)", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on"))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def _app(args: argparse.Namespace, model):
+    from kvstate.commands.console import make_console
+    from kvstate.commands.progress import load_progress
+    from kvstate.engine.llm import LLM
+    from kvstate.hub import resolve_checkpoint
+    from kvstate.server.app import create_app
+
+    routers = []
+    try:
+        from kvstate.server import explorer
+
+        routers.append(explorer.router)
+    except ImportError:  # the explorer's API is optional: the OpenAI routes serve without it
+        pass
+    path = resolve_checkpoint(model)
+    with load_progress(make_console(stderr=True)) as progress:
+        llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  seed=args.seed, load_progress=progress)
+    if args.served_model_name:
+        name = args.served_model_name
+    else:  # a local checkpoint by its folder name, a hub id as given
+        name = Path(model).resolve().name if Path(str(model)).exists() else str(model)
+    return create_app(llm, model_name=name, routers=routers)

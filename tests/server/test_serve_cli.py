@@ -1,0 +1,85 @@
+"""`kvstate serve`: without a model or a bundled one it says what to pass (one line, exit 2); a busy
+port is one line before any model loads; a real process on a free loopback port answers the
+OpenAI client, and stops cleanly on SIGTERM."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from kvstate.cli import main  # noqa: E402
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_without_a_model_says_what_to_pass(capsys, monkeypatch, tmp_path):
+    from kvstate.commands import serve
+
+    monkeypatch.setattr(serve, "BUNDLED_MODELS", tmp_path / "none")
+    assert main(["serve"]) == 2
+    assert "pass --model" in _one_line(capsys)
+
+
+def test_a_bundled_model_is_the_default(monkeypatch, tmp_path):
+    from kvstate.commands import serve
+
+    monkeypatch.setattr(serve, "BUNDLED_MODELS", tmp_path)
+    (tmp_path / "a-config-only").mkdir()
+    (tmp_path / "a-config-only" / "config.json").write_text("{}")
+    assert serve.bundled_model() is None  # no weights: not a model
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "tiny" / "model.safetensors").write_bytes(b"")
+    assert serve.bundled_model() == tmp_path / "tiny"
+
+
+def test_a_busy_port_is_one_line(capsys, checkpoint):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(checkpoint), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in _one_line(capsys)
+
+
+def test_serve_process_answers_and_stops(checkpoint):
+    openai = pytest.importorskip("openai")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--model", str(checkpoint), "--port", "0",
+                             "--max-model-len", "128", "--cache-memory", "8MiB", "--served-model-name", "tiny"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()  # the URL line, once the model is loaded
+        url = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert url, line
+        for _ in range(200):  # uvicorn starts serving just after the line
+            try:
+                if httpx.get(url[0] + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+        with openai.OpenAI(base_url=url[0] + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            assert [m.id for m in client.models.list().data] == ["tiny"]
+            out = client.completions.create(model="tiny", prompt="hybrid", max_tokens=3, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        try:
+            rc = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (its documented behavior)
+    assert rc in (0, -signal.SIGTERM)
+    assert "Traceback" not in proc.stderr.read()
