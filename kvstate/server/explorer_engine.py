@@ -8,8 +8,9 @@ engine thread (so it reads the scheduler between steps, never in the middle of o
   that has produced output), from the step's own SchedulerOutput (`core.last_step`);
 - per engine request, the positions each step computed for it (the cache-on/off panel);
 - a view of the pools: each request's KV block table (blocks fill one token at a time) next to
-  its one fixed state slot, pool occupancy, the engine's counters (prefix-cache figures appear
-  here once `EngineCore.stats()` reports them), and the requests finished last.
+  its one fixed state slot, pool occupancy, the engine's counters (prefix-cache figures when
+  `EngineCore.stats()` reports them), the prefix cache's state snapshots, and the requests
+  finished last.
 
 Readers on other threads only ever get the latest immutable snapshot (a dict replaced whole).
 No torch.
@@ -35,6 +36,18 @@ def step_modes(step) -> list[str]:
     request past its prompt; everything else (prompt chunks, recompute) is prefill work."""
     return ["decode" if n == 1 and ctx >= seq.num_prompt_tokens else "prefill"
             for seq, n, ctx in zip(step.seqs, step.num_tokens, step.context_lens)]
+
+
+def prefix_snapshots(core, limit: int = 64) -> list[dict]:
+    """The prefix cache's state snapshots (engine/prefix_cache.py), newest first: the position each
+    holds, its state slot, the KV blocks it keeps, its hits. Empty when prefix caching is off."""
+    cache = getattr(getattr(core.scheduler, "prefix", None), "cache", None)
+    held = getattr(cache, "snapshots", None)
+    if not isinstance(held, dict):
+        return []
+    rows = [{"tokens": s.num_tokens, "slot": s.slot, "blocks": len(s.chain) + (s.partial_block is not None),
+             "hits": s.hits, "last_used": s.last_used} for s in held.values()]
+    return sorted(rows, key=lambda r: -r["last_used"])[:limit]
 
 
 class StepRecorder:
@@ -99,7 +112,7 @@ class StepRecorder:
                 "kv_bytes_in_use": stats["kv_bytes_in_use"], "state_bytes_in_use": stats["state_bytes_in_use"],
                 "max_model_len": core.max_model_len, "requests": running + waiting,
                 "finished": list(self.finished), "num_steps": self.num_steps,
-                "step_totals": {k: dict(v) for k, v in self.totals.items()},
+                "step_totals": {k: dict(v) for k, v in self.totals.items()}, "snapshots": prefix_snapshots(core),
                 "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS}}
 
     # -- on any thread ----------------------------------------------------------------------------

@@ -46,6 +46,14 @@ function drawEngine() {
   const rows = v.requests.concat(v.finished).map((r) => requestRow(r, v));
   if (!rows.length) rows.push(el("p", {class: "muted"}, "No request yet: send a prompt."));
   document.getElementById("requests").replaceChildren(...rows);
+  const snaps = v.snapshots.map((s) => el("div", {class: "req snapshot", "data-tokens": s.tokens},
+    el("div", {class: "who mono"}, `snapshot at ${fmtInt(s.tokens)} tokens`, el("br"), `${s.hits} hits`),
+    el("div", {class: "blocks"}, [...Array(s.blocks).keys()].map(() =>
+      el("div", {class: "block", title: "KV block kept for the snapshot"}, el("i", {style: "height:100%"})))),
+    el("div", {class: "slot", title: "a state slot holding a copy of every linear layer's state"},
+       `slot #${s.slot} · ${fmtBytes(v.slot_bytes)}`)));
+  document.getElementById("snapshots").replaceChildren(...(snaps.length ? [el("h3", {},
+    "Prefix snapshots (state at a prefix end, in a spare slot)"), ...snaps] : []));
   const counters = Object.entries(v.counters).map(([k, val]) => `${k} ${val}`).join(" · ");
   document.getElementById("counters").textContent =
     `${v.num_steps} steps · max_model_len ${fmtInt(v.max_model_len)}` + (counters ? ` · ${counters}` : "");
