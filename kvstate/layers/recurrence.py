@@ -9,8 +9,11 @@ for decode) and hands over its per-token inputs; this module owns everything aro
   place (`state_indices`), prefill reads the rows, runs, and writes the final states back;
 - the short causal conv before the mixer, with the same split and its conv-window slots
   (`kernel` or `kernel - 1` columns, as the cache spec sizes them).
-A third mode, "verify" (k+1 draft tokens through the recurrent op keeping the state after every
-token, for speculative decoding), and state snapshots for prefix caching belong here too.
+- "verify" entries (speculative decoding: the last known token and k drafts, [1, k+1] each, packed
+  with cu_seqlens) run the recurrent op with `output_all_states`: the pool gets the state after
+  the last token, and the state (and conv window) after every token is left in `batch.rollback`;
+  once the engine knows how many tokens each entry keeps, `keep_states` writes that one back.
+  Rollback is choosing a state the forward already computed: no recompute.
 """
 
 from __future__ import annotations
@@ -66,13 +69,49 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
         xg, state = x[group.rows], _rows(pool, group)  # [T_g, D], [n, D, S]
         if group.mode == "decode":
             y = causal_conv1d_update(xg, state, weight, bias, activation=activation)  # shifts `state` in place
+            _write(pool, group, state)
         else:
-            y, state = causal_conv1d(xg[None], weight, bias, activation=activation, initial_state=state,
+            y, final = causal_conv1d(xg[None], weight, bias, activation=activation, initial_state=state,
                                      output_final_state=True, cu_seqlens=group.cu_seqlens)
             y = y[0]
-        _write(pool, group, state)
+            _write(pool, group, final)
+            if group.mode == "verify":
+                batch.rollback.append((pool, group, _windows(state, xg, batch, group)))
         parts.append((group.rows, y))
     return _scatter(parts, x.shape[0])
+
+
+def _windows(state: torch.Tensor, x: torch.Tensor, batch, group) -> torch.Tensor:
+    """The conv window after every token of the group: state [n, D, S] (before the step), x [T_g, D]
+    -> [T_g, D, S]; token j of an entry leaves the last S columns of (window, its tokens up to j)."""
+    out, start = [], 0
+    for j, e in enumerate(group.entries):
+        q = batch.query_lens[e]
+        full = torch.cat([state[j], x[start : start + q].T.to(state.dtype)], dim=-1)  # [D, S + q]
+        out.append(full.unfold(-1, state.shape[-1], 1)[:, 1:].transpose(0, 1))  # [q, D, S]
+        start += q
+    return torch.cat(out)
+
+
+def keep_states(batch, keep: dict[int, int]) -> None:
+    """Roll the verify entries back: entry i (batch index) keeps the state after its first `keep[i]`
+    tokens (>= 1). The pools hold the state after all of them, so only shorter ones are written."""
+    for pool, group, states in batch.rollback:  # states [T_g, *row]
+        rows, slots, start = [], [], 0
+        for j, e in enumerate(group.entries):
+            q = batch.query_lens[e]
+            k = keep.get(e, q)
+            if not 1 <= k <= q:
+                raise ValueError(f"entry {e} cannot keep {k} of its {q} verified tokens")
+            if k < q:
+                rows.append(start + k - 1)
+                slots.append(j)
+            start += q
+        if rows:
+            idx = torch.tensor(slots, dtype=torch.int64, device=group.slots.device)
+            pick = torch.tensor(rows, dtype=torch.int64, device=states.device)
+            pool.index_copy_(0, group.slots.index_select(0, idx), states.index_select(0, pick).to(pool.dtype))
+    batch.rollback.clear()
 
 
 def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.Tensor], *,
@@ -80,15 +119,15 @@ def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.
     """Run the recurrence over the step: `tokens` are the per-token inputs [T, ...] by the ops' argument
     names, `shared` the other arguments of both forms, `prefill` / `decode` those of one form only.
     Reads and writes the entries' states in `pool` [num_slots, *state]; returns o [T, ...]."""
-    only = {"prefill": prefill or {}, "decode": decode or {}}
+    only = {"prefill": prefill or {}, "decode": decode or {}, "verify": decode or {}}  # verify: the recurrent op
     parts = []
     for group in batch.groups:
-        o = _RUN[group.mode](ops, pool, group, tokens, {**shared, **only[group.mode]})
+        o = _RUN[group.mode](ops, pool, group, tokens, {**shared, **only[group.mode]}, batch)
         parts.append((group.rows, o.reshape(group.num_tokens, *o.shape[2:])))
     return _scatter(parts, next(iter(tokens.values())).shape[0])
 
 
-def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict) -> torch.Tensor:
+def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
     """The group's sequences as one packed [1, T_g, ...] through the chunk op; final states written back."""
     xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
     o, state = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
@@ -97,7 +136,7 @@ def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs:
     return o
 
 
-def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict) -> torch.Tensor:
+def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
     """One token per sequence, [n, 1, ...], through the recurrent op, which updates the pool's rows itself."""
     xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}
     if group.fresh_slots is not None:
@@ -106,6 +145,17 @@ def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: 
     return o
 
 
-# per mode, how a group runs. "verify" (speculative decoding) goes here: [n, k+1, ...] through the
-# recurrent op with output_all_states=True, the state after every draft token kept for rollback.
-_RUN = {"prefill": _prefill, "decode": _decode}
+def _verify(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
+    """Each entry's tokens (packed [1, T_g, ...], cu_seqlens) through the recurrent op: the pool's rows
+    get the state after the last token, `batch.rollback` the state after every token."""
+    xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
+    if group.fresh_slots is not None:
+        pool.index_fill_(0, group.fresh_slots, 0)
+    o, _, states = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots,
+                                 inplace_final_state=True, cu_seqlens=group.cu_seqlens, output_all_states=True)
+    batch.rollback.append((pool, group, states[0]))  # [T_g, *state]
+    return o
+
+
+# per mode, how a group runs
+_RUN = {"prefill": _prefill, "decode": _decode, "verify": _verify}

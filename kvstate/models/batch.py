@@ -8,29 +8,33 @@ ever a state slot).
 
 Each entry has a mode, set once by whoever builds the batch (the runner; by default "decode" for
 one new token, else "prefill"): linear mixers run the recurrent op on decode entries and the chunk
-op on prefill entries (`groups`, see `kvstate.layers.recurrence`). A later "verify" mode (k+1
-draft tokens through the recurrent op, keeping every intermediate state) slots in here.
+op on prefill entries (`groups`, see `kvstate.layers.recurrence`). "verify" entries (speculative
+decoding: the last known token and k drafts) run the recurrent op keeping the state after every
+token; the linear layers leave those states in `rollback` and the engine keeps the one at the
+accepted length once it is known (`kvstate.layers.recurrence.keep_states`). Attention treats a
+verify entry as a prefill chunk.
 
 Host-side lengths are plain lists computed once; every tensor lives on the model's device
 (`Batch.build(..., device=)`). The model returns logits only for `sample_rows`: the last token of
-the entries whose next token is sampled (or, with logits="all", every token, for tests/analysis).
+the entries whose next token is sampled (every token of a verify entry: each row judges one
+draft), or with logits="all" every token, for tests/analysis.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-MODES = ("prefill", "decode")  # "verify" comes with speculative decoding
+MODES = ("prefill", "decode", "verify")
 
 
 @dataclass(frozen=True)
 class StateGroup:
     """The entries of a step that run through one op of a linear mixer (all of one mode)."""
 
-    mode: str  # "prefill" | "decode"
+    mode: str  # "prefill" | "decode" | "verify"
     entries: list[int]  # entry indices, in batch order
     rows: slice | torch.Tensor  # their packed token rows: a slice when contiguous, else [T_g] int64
     num_tokens: int
@@ -54,6 +58,9 @@ class Batch:
     block_size: int
     logits_indices: torch.Tensor  # [M] int64, packed rows whose logits the model returns
     groups: tuple[StateGroup, ...]  # one per mode present, decode first
+    # verify groups' per-token states, filled by the linear layers during the forward:
+    # (pool, group, states [T_g, *row]) per layer; see kvstate.layers.recurrence.keep_states
+    rollback: list = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -108,13 +115,14 @@ class Batch:
             rows = list(range(offsets[-1]))
         elif logits == "last":
             wanted = range(n) if sample_rows is None else sample_rows
-            rows = [offsets[i + 1] - 1 for i in wanted if query_lens[i] > 0]
+            rows = [r for i in wanted if query_lens[i] > 0
+                    for r in (range(offsets[i], offsets[i + 1]) if modes[i] == "verify" else [offsets[i + 1] - 1])]
         else:
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         slots = to(as_t(state_slots))
         groups = tuple(_group(mode, [i for i in range(n) if modes[i] == mode], query_lens, context_lens,
                               offsets, slots, to)
-                       for mode in ("decode", "prefill") if mode in modes)
+                       for mode in ("decode", "prefill", "verify") if mode in modes)
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
                    cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),
