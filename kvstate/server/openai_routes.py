@@ -9,6 +9,8 @@ byte is sent, so it too is a 400. Leaving a stream early aborts its engine reque
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -116,26 +118,41 @@ async def _serve(request: Request, body, prompts, params, *, chat: bool):
     _check(loop, body, prompts, params)
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     sub = loop.submit(_jobs(prompts, params))
+    reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
     try:
-        first = await sub.__anext__()
-        _raise_if_failed(first[1])
+        if body.stream:  # wait for the first output: a request the engine rejects is still a 4xx
+            first = await _unless_disconnected(request, sub.__anext__())
+            _raise_if_failed(first[1])
+        else:
+            await _unless_disconnected(request, reply.gather(sub))
     except BaseException:
         sub.close()
         raise
-    reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EngineStream(reply.stream(first, sub, include_usage, metrics), sub)
-    try:
-        reply.take(*first)
-        async for choice, out in sub:
-            reply.take(choice, out)
-    finally:
-        sub.close()
     for out in reply.finals:
         _raise_if_failed(out)
     metrics.generation_tokens.inc(reply.completion_tokens)
     return reply.whole()
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, unless the client hangs up first (a handler that is not streaming is otherwise
+    never told, and would keep its requests running to the end): then a 499 that no one reads."""
+    async def hang_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+    if not task.done() or task.cancelled():
+        raise ApiError("the client closed the connection", status=499, type="client_closed_request")
+    return task.result()
 
 
 def _raise_if_failed(out) -> None:
@@ -180,6 +197,10 @@ class _Reply:
     @property
     def completion_tokens(self) -> int:
         return sum(len(f.token_ids) for f in self.finals if f is not None)
+
+    async def gather(self, sub) -> None:
+        async for choice, out in sub:
+            self.take(choice, out)
 
     def take(self, choice: int, out) -> None:
         if out.finished:

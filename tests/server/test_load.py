@@ -69,3 +69,26 @@ def test_a_client_that_leaves_mid_stream_is_aborted(live_server):
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
     assert stats["num_steps"] - steps_before < max_tokens // 2  # stopped, not run to max_tokens
     assert httpx.get(live_server.url + "/health").status_code == 200
+
+
+def test_a_client_that_leaves_before_its_whole_reply_is_aborted(live_server):
+    """Not streamed: the handler sees the connection close while it waits and aborts its request."""
+    import socket
+    import time
+
+    loop = live_server.loop
+    steps_before = wait_idle(loop)["num_steps"]
+    max_tokens = 240
+    body = json.dumps({"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
+    host, port = live_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        for _ in range(2000):  # until the request holds its state slot, then hang up
+            if loop.stats()["state_slots_used"]:
+                break
+            time.sleep(0.005)
+    stats = wait_idle(loop)
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+    assert stats["num_steps"] - steps_before < max_tokens // 2  # stopped, not run to max_tokens
