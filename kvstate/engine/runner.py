@@ -17,6 +17,8 @@ from kvstate.cache.pools import LayerCache, allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
 from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
+from kvstate.engine.spec.rejection import sample_step
+from kvstate.layers.recurrence import keep_states
 from kvstate.models.batch import Batch
 
 
@@ -34,6 +36,7 @@ class ModelRunner:
         # sampling state: seeded requests' generators by request id; the others share `generator`
         self.generators = RequestGenerators(model.device)
         self.generator = None if seed is None else torch.Generator(model.device).manual_seed(seed)
+        self.rollback: Batch | None = None  # the last step's verify states, until `keep` picks one
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -56,7 +59,17 @@ class ModelRunner:
         device = self.model.device
         batch = Batch.build(**step.batch_args(), sample_rows=step.sample_indices, device=device)
         ids = torch.tensor(step.input_ids(), dtype=torch.int64, device=device)
-        return self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
+        logits = self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
+        self.rollback = batch if batch.rollback else None
+        return logits
+
+    @torch.inference_mode()
+    def keep(self, step) -> None:
+        """After postprocess: each verify entry's linear layers keep the state after the tokens it
+        kept (`step.kept`), not after all its drafts (speculative decoding's rollback)."""
+        if self.rollback is not None:
+            keep_states(self.rollback, step.kept)
+            self.rollback = None
 
     def execute(self, step) -> SampleOutput:
         """One scheduled step: drop the sampling state of finished requests, carry out the state-slot
@@ -71,4 +84,7 @@ class ModelRunner:
         if any(p.penalties for p in params):
             history = ([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs])
         gens = self.generators.get([s.request_id for s in seqs], params)
+        if step.drafts:  # speculative decoding: a verify entry has a row per draft and one more
+            drafts = [step.drafts.get(i, []) for i in step.sample_indices]
+            return sample_step(logits, drafts, params, gens, generator=self.generator, history=history)
         return sample(logits, params, gens, generator=self.generator, history=history)

@@ -35,6 +35,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting by this step
     slot_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
     finished_request_ids: list[object] = field(default_factory=list)  # since the previous step
+    # speculative decoding: entry -> its drafts (a "verify" entry computes the last known token and
+    # them, every row sampled); entry -> tokens it keeps, set by postprocess for the runner's rollback
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    kept: dict[int, int] = field(default_factory=dict)
 
     def add(self, seq: Sequence, n: int) -> None:
         assert n >= 1 and seq.state_slot is not None, (n, seq.state_slot)
@@ -44,6 +48,13 @@ class SchedulerOutput:
         self.block_tables.append(list(seq.block_table))
         self.state_slots.append(seq.state_slot)
         self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+
+    def add_drafts(self, drafts: list[int]) -> None:
+        """Make the last entry a verify entry: the last known token, then `drafts` (kvstate.engine.spec)."""
+        i = len(self.seqs) - 1
+        assert self.num_tokens[i] == 1 + len(drafts) and drafts, (self.num_tokens[i], drafts)
+        self.drafts[i] = list(drafts)
+        self.samples[i] = True
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -74,13 +85,18 @@ class SchedulerOutput:
 
     def batch_args(self) -> dict:
         """Keyword arguments of `Batch.build` for this step."""
-        return {"query_lens": list(self.num_tokens), "context_lens": list(self.context_lens),
+        args = {"query_lens": list(self.num_tokens), "context_lens": list(self.context_lens),
                 "state_slots": list(self.state_slots), "block_tables": [list(t) for t in self.block_tables],
                 "block_size": self.block_size}
+        if self.drafts:
+            args["modes"] = ["verify" if i in self.drafts else "decode" if n == 1 else "prefill"
+                             for i, n in enumerate(self.num_tokens)]
+        return args
 
     def input_ids(self) -> list[int]:
         """The packed token ids the step feeds, sequence after sequence."""
         out: list[int] = []
-        for seq, c, n in zip(self.seqs, self.context_lens, self.num_tokens):
-            out.extend(seq.token_ids(c, c + n))
+        for i, (seq, c, n) in enumerate(zip(self.seqs, self.context_lens, self.num_tokens)):
+            drafts = self.drafts.get(i)
+            out.extend(seq.token_ids(c, c + n) if drafts is None else seq.token_ids(c, c + 1) + drafts)
         return out

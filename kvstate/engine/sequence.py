@@ -47,6 +47,10 @@ class Sequence:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding: the drafts proposed for the next step; totals drafted and accepted
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,4 +111,6 @@ class Sequence:
                 "latency": self.latency,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_output_tokens": self.num_output_tokens,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions,
+                "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens}
