@@ -8,6 +8,10 @@ which ids a sequence owns. One block id or slot id indexes every layer's pool.
   list of ids in token order; `grow` appends blocks until it covers a number of tokens, `free`
   drops one reference per block. `share` adds a reference to blocks in use, so sequences can
   read the same full blocks; a block returns to the free list when its count reaches 0.
+  With prefix caching, a full block's content is registered under the hash chain of its tokens
+  (`register`); when its count reaches 0 it stays readable in an LRU of evictable blocks until
+  `allocate` needs it (`on_evict` is told), and `lookup` + `share` revive it. `copy_block` queues a
+  KV block copy (copy-on-write of a partial block), carried out by the runner like slot copies.
 - `SlotManager`: free state slots, one per running sequence. `copy_slot` reserves a spare slot
   and queues a copy (src -> dst); the scheduler's next step carries the queued copies
   (`SchedulerOutput.slot_copies`) and the runner carries them out on the tensors before the
@@ -22,8 +26,9 @@ bug in the engine, never user input.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvstate.errors import KvstateError
 
@@ -40,14 +45,26 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
+        # prefix caching: content hash of full blocks, hash -> block, unreferenced cached blocks (LRU first)
+        self._hash: dict[int, int] = {}  # block -> hash
+        self._by_hash: dict[int, int] = {}  # hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.on_evict: Callable[[int, int], None] | None = None  # (block, hash) when a cached block is reused
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` can hand out: free ones and cached ones no sequence references."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a content hash (referenced or not)."""
+        return len(self._hash)
 
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
@@ -61,19 +78,29 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(table))
 
     def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.blocks_missing(table, num_tokens) <= len(self._free)
+        return self.blocks_missing(table, num_tokens) <= self.num_free_blocks
 
     def capacity(self, table: list[int]) -> int:
         """Tokens `table` could hold if it took every free block."""
-        return (len(table) + len(self._free)) * self.block_size
+        return (len(table) + self.num_free_blocks) * self.block_size
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` fresh blocks (reference count 1 each)."""
-        if n > len(self._free):
-            raise CacheAccountingError(f"asked for {n} KV blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        """Take `n` fresh blocks (reference count 1 each): free ones first, then the least recently
+        used cached ones (their content is forgotten)."""
+        if n > self.num_free_blocks:
+            raise CacheAccountingError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                h = self._hash.pop(b)
+                del self._by_hash[h]
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self._refs[b] = 1
+            out.append(b)
         return out
 
     def grow(self, table: list[int], num_tokens: int) -> list[int]:
@@ -83,23 +110,59 @@ class BlockManager:
         return new
 
     def share(self, block_ids: list[int]) -> list[int]:
-        """Add a reference to blocks already in use (another sequence reads the same KV)."""
+        """Add a reference to blocks in use or cached (another sequence reads the same KV)."""
         for b in block_ids:
-            if self._refs[b] < 1:
+            if self._refs[b] < 1 and b not in self._evictable:
                 raise CacheAccountingError(f"cannot share KV block {b}: it is free")
         for b in block_ids:
+            self._evictable.pop(b, None)
             self._refs[b] += 1
         return list(block_ids)
 
     def free(self, table: list[int]) -> None:
-        """Drop one reference per block of `table` (last first) and empty it."""
+        """Drop one reference per block of `table` (last first, so a chain's tail is evicted first) and empty it."""
         for b in reversed(table):
             if self._refs[b] < 1:
                 raise CacheAccountingError(f"KV block {b} freed more often than referenced")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash:
+                    self._evictable[b] = None  # most recently used end
+                else:
+                    self._free.append(b)
         table.clear()
+
+    # content addressing (prefix caching) ---------------------------------------------------
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """Record that referenced block `block_id` holds the full block of hash chain `block_hash`.
+        False (nothing changes) when that content is already registered or the block has a hash."""
+        if self._refs[block_id] < 1:
+            raise CacheAccountingError(f"cannot register KV block {block_id}: it is free")
+        if block_hash in self._by_hash or block_id in self._hash:
+            return False
+        self._hash[block_id], self._by_hash[block_hash] = block_hash, block_id
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block registered under `block_hash`, or None."""
+        return self._by_hash.get(block_hash)
+
+    def num_evictable_among(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` are cached but unreferenced (sharing them takes them off the free count)."""
+        return sum(1 for b in block_ids if b in self._evictable)
+
+    def copy_block(self, src: int) -> int:
+        """A fresh block holding a copy of `src`'s KV (queued; the runner copies before the forward)."""
+        if self._refs[src] < 1:
+            raise CacheAccountingError(f"cannot copy KV block {src}: it is free")
+        dst = self.allocate(1)[0]
+        self._copies.append((src, dst))
+        return dst
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued (src, dst) block copies, in order, and clear the queue."""
+        out, self._copies = self._copies, []
+        return out
 
 
 class SlotManager:
@@ -135,8 +198,10 @@ class SlotManager:
             raise CacheAccountingError(f"state slot {slot} is not in use")
         self._used[slot] = False
         self._free.append(slot)
-        # a queued copy into or out of a freed slot would write or read dead state
-        self._copies = [(s, d) for s, d in self._copies if slot not in (s, d)]
+        # a copy into a freed slot would write dead state; a copy out of it still reads what the last
+        # forward left there (copies run in order before the next forward), e.g. a snapshot of a
+        # sequence preempted or finished since it was queued
+        self._copies = [(s, d) for s, d in self._copies if d != slot]
 
     def copy_slot(self, src: int, dst: int | None = None) -> int:
         """Queue a copy of slot `src` into `dst` (a fresh spare slot when None); returns dst.

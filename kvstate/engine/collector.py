@@ -51,5 +51,7 @@ class RequestCollector:
                    for k, p in enumerate(parts)]
         error = next((p.error for p in parts if p.error), None)
         ids = parts[0].prompt_token_ids or self.prompt_token_ids
+        cached = [p.num_cached_tokens for p in parts if p.num_cached_tokens is not None]
         return RequestOutput(self.request_id, self.prompt, list(ids), outputs, error=error,
-                             metrics=merge_metrics([p.metrics for p in parts]))
+                             metrics=merge_metrics([p.metrics for p in parts]),
+                             num_cached_tokens=min(cached) if cached else None)

@@ -57,10 +57,28 @@ def check_max_model_len(value, limit: int | None) -> int:
     return value
 
 
+def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None) -> int:
+    """Spare state slots for prefix-cache snapshots: `asked`, else 2 per sequence within half the budget."""
+    from kvstate.cache.spec import cache_spec
+
+    if asked is not None:
+        if asked < 0:
+            raise KvstateError(f"num_snapshot_slots must be >= 0, got {asked}")
+        return asked
+    spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", conv_window=conv_window)
+    fit = (cache_bytes // 2) // spec.state_bytes if spec.state_bytes else 2 * max_num_seqs
+    return max(1, min(2 * max_num_seqs, fit))
+
+
 class EngineCore:
     def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 conv_window: str = "kernel", seed: int | None = None):
+                 conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
+                 snapshot_interval: int | None = 512, prefix_eviction: str = "marconi", prefix_align: int = 1,
+                 num_snapshot_slots: int | None = None):
+        """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
+        spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
+        budget as the KV blocks."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
 
@@ -74,9 +92,14 @@ class EngineCore:
             spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
                               conv_window=conv_window)
             need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
+            if enable_prefix_caching:
+                need += 2 * max_num_seqs * spec.state_bytes
             cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()), need)
+        spare = 0
+        if enable_prefix_caching:
+            spare = snapshot_slots(plan, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
         self.runner = ModelRunner(model, plan, cache_bytes=cache_memory, block_size=block_size,
-                                  num_slots=max_num_seqs, max_model_len=max_model_len, conv_window=conv_window,
+                                  num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window,
                                   seed=seed)
         sizes = self.runner.sizes
         # a model without KV layers has block ids for bookkeeping only; with KV layers the pool caps the length
@@ -85,7 +108,9 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=sizes.num_blocks, block_size=block_size, num_slots=sizes.num_slots,
             max_model_len=self.max_model_len, vocab_size=plan.vocab_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos)),
+            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos),
+            enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
+            prefix_eviction=prefix_eviction, prefix_align=prefix_align, prefix_costs=self._prefix_costs()),
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
@@ -101,6 +126,15 @@ class EngineCore:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
         by the next step as finished with an error."""
         params = SamplingParams() if params is None else params
+    def _prefix_costs(self) -> tuple[float, float, int, int]:
+        """(prefill FLOPs per token, per token pair, slot bytes, block bytes) for the snapshot eviction:
+        2 per weight per token; attention's QK and PV ~ 2 per cached K/V element per query (GQA's
+        extra query heads left out: a proxy, the same for every snapshot of this model)."""
+        spec, sizes = self.runner.spec, self.runner.sizes
+        weights = sum(p.numel() for p in self.model.parameters())
+        kv_elems = spec.kv_bytes_per_token / 4  # the runner's KV pools are fp32
+        return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
+
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
         self.scheduler.add(request_id, prompt_token_ids, params)
@@ -147,7 +181,7 @@ class EngineCore:
         logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
-                             metrics=seq.metrics())
+                             metrics=seq.metrics(), num_cached_tokens=cached)
 
     # -- pool usage -----------------------------------------------------------------------------
     def cache_bytes_in_use(self) -> dict[str, int]:
@@ -156,10 +190,12 @@ class EngineCore:
         used_slots = sizes.num_slots - self.scheduler.slots.num_free_slots
         return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes, "state": used_slots * sizes.slot_bytes}
 
+        cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
     def stats(self) -> dict[str, int]:
         """Requests and pool occupancy now (what a server's metrics endpoint would report)."""
         s, sizes = self.scheduler, self.runner.sizes
         return {"num_running": len(s.running), "num_waiting": len(s.waiting),
                 "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": sizes.num_blocks,
                 "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
-                **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()}}
+                **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()},
+                **(s.prefix.cache.report() if s.prefix is not None else {}),}

@@ -28,8 +28,12 @@ from kvstate.errors import KvstateError
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 conv_window: str = "kernel", seed: int | None = None, load_progress=None):
-        """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar)."""
+                 conv_window: str = "kernel", seed: int | None = None, load_progress=None,
+                 enable_prefix_caching: bool = False, snapshot_interval: int | None = 512,
+                 prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1):
+        """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
+        `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
+        (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru")."""
         from kvstate.hub import resolve_checkpoint
         from kvstate.models.loader import load_model
 
@@ -42,7 +46,10 @@ class LLM:
             tokenizer = Tokenizer(path)
         self.engine = EngineCore(module, plan, tokenizer, cache_memory=cache_memory, block_size=block_size,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, conv_window=conv_window, seed=seed)
+                                 max_model_len=max_model_len, conv_window=conv_window, seed=seed,
+                                 enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
+                                 prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
+                                 prefix_align=prefix_align)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
 
@@ -56,6 +63,11 @@ class LLM:
 
     def cache_bytes_in_use(self) -> dict[str, int]:
         return self.engine.cache_bytes_in_use()
+
+    def stats(self) -> dict:
+        """The engine's counters now: requests, pool occupancy and, with prefix caching, the prompt
+        tokens served from cache, hit rate, snapshots held and their bytes."""
+        return self.engine.stats()
 
     # -- the API ---------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:

@@ -53,6 +53,14 @@ class ModelRunner:
                     if t is not None:
                         t[dst].copy_(t[src])
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (src -> dst) in every attention layer (copy-on-write of a cached partial block)."""
+        for src, dst in copies:
+            for c in self.caches:
+                for t in (c.k, c.v, c.latent):
+                    if t is not None:
+                        t[dst].copy_(t[src])
+
     @torch.inference_mode()
     def run(self, step) -> torch.Tensor:
         """Run a SchedulerOutput's forward; returns logits [len(step.sample_indices), vocab] (fp32)."""
@@ -76,6 +84,7 @@ class ModelRunner:
         copies, run the forward, and sample one token per entry that caught up (`step.sample_indices`)."""
         self.generators.drop(step.finished_request_ids)
         self.copy_slots(step.slot_copies)
+        self.copy_blocks(step.block_copies)
         if step.is_empty:
             return SampleOutput([], [], [])
         logits = self.run(step)

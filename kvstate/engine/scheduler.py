@@ -58,6 +58,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # most running sequences
     max_num_batched_tokens: int = 2048  # token budget of one step
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # prefix caching (`kvstate.engine.prefix_cache`): snapshots every `snapshot_interval` tokens
+    # (None: only at prompt ends, reply ends, branch points), only at multiples of `prefix_align`
+    # (1024: vLLM's block-aligned policy, for comparison); `prefix_costs` = (prefill FLOPs per token,
+    # per token pair, bytes of a state slot, bytes of a KV block) for the eviction's value per byte
+    enable_prefix_caching: bool = False
+    snapshot_interval: int | None = 512
+    prefix_eviction: str = "marconi"
+    prefix_align: int = 1
+    prefix_costs: tuple[float, float, int, int] = (1.0, 0.0, 1, 0)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_slots", "max_model_len", "vocab_size", "max_num_seqs",
@@ -83,6 +92,17 @@ class Scheduler:
         self._outbox: list[Sequence] = []  # finished or rejected since the last postprocess
         self._finished_ids: list[object] = []  # finished since the last schedule (for the runner)
         self._pending: SchedulerOutput | None = None
+        self.prefix = None  # PrefixHooks when prefix caching is on
+        self._flushing: list[Sequence] = []  # finished; one more entry computes the last token, then a snapshot
+        if config.enable_prefix_caching:
+            from kvstate.engine.prefix_admission import PrefixHooks
+            from kvstate.engine.prefix_cache import PrefixCache
+
+            a, b, slot_bytes, block_bytes = config.prefix_costs
+            cache = PrefixCache(self.blocks, self.slots, policy=config.prefix_eviction, flops_per_token=a,
+                                flops_per_token_pair=b, slot_bytes=slot_bytes, block_bytes=block_bytes,
+                                align=config.prefix_align)
+            self.prefix = PrefixHooks(cache, interval=config.snapshot_interval)
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
@@ -114,7 +134,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step is still needed: sequences to run, or results not yet reported."""
-        return bool(self.waiting or self.running or self._outbox)
+        return bool(self.waiting or self.running or self._outbox or self._flushing)
 
     def _check(self, request_id, prompt, params) -> tuple[list[int], str | None]:
         """(normalized prompt, None) or (whatever could be read, the reason to reject)."""
@@ -168,6 +188,7 @@ class Scheduler:
         step = SchedulerOutput(cfg.block_size)
         budget = cfg.max_num_batched_tokens
         scheduled: set[Sequence] = set()  # the sequences in this step
+        budget -= self._schedule_flushes(step, budget, now)
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
@@ -180,14 +201,19 @@ class Scheduler:
                     scheduled.add(seq)
                     budget -= n
         while (not step.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
-               and self.slots.can_allocate()):
+               and (self.slots.can_allocate() if self.prefix is None else self.prefix.free_slot())):
             seq = self.waiting[0]
-            n = min(seq.num_remaining_tokens, budget)
-            if not self.blocks.can_grow(seq.block_table, n):
-                break
+            if self.prefix is not None:  # starts from the longest cached prefix (slot and blocks taken)
+                n = self.prefix.admit(seq, budget, now, self._flushing)
+                if n is None:
+                    break
+            else:
+                n = min(seq.num_remaining_tokens, budget)
+                if not self.blocks.can_grow(seq.block_table, n):
+                    break
+                seq.state_slot = self.slots.allocate()
+                self.blocks.grow(seq.block_table, n)
             self.waiting.popleft()
-            seq.state_slot = self.slots.allocate()
-            self.blocks.grow(seq.block_table, n)
             seq.status = RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -200,6 +226,7 @@ class Scheduler:
         self._pending = step
         return step
 
+        step.block_copies = self.blocks.take_copies()
     def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
              preempt_self: bool) -> int:
         """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
@@ -207,6 +234,9 @@ class Scheduler:
             victim = self._victim(seq, scheduled, preempt_self)
             if victim is None:
                 return 0
+        if self.prefix is not None:  # chunks end at snapshot positions; snapshots give way to running work
+            n = self.prefix.limit(seq, n)
+            self.prefix.reclaim(self.blocks.blocks_missing(seq.block_table, seq.num_computed_tokens + n))
             self._preempt(victim, step)
             if victim is seq:
                 return 0
@@ -237,6 +267,8 @@ class Scheduler:
         if seq.state_slot is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None
+        if self.prefix is not None:
+            self.prefix.release(seq)
         seq.num_computed_tokens = 0
 
     # results -------------------------------------------------------------------------------
@@ -257,12 +289,19 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += n
             j = sampled.get(i)
+            if seq in self._flushing:  # a finished reply's last token is in the cache: keep its end
+                self._flushing.remove(seq)
+                seq.num_computed_tokens += n
+                self._keep_final(seq, now)
+                continue
             if j is None:
                 continue
             token = int(token_ids[j])
             seq.output_token_ids.append(token)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
+            if self.prefix is not None:
+                self.prefix.computed(seq, now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -289,7 +328,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, stop_reason, now: float) -> None:
         if seq.status is RUNNING:
             self.running.remove(seq)
-            self._release(seq)
+            if self.prefix is not None and reason != "abort" and seq.num_remaining_tokens == 1:
+                self._flushing.append(seq)  # keeps slot and blocks for one more entry (`_schedule_flushes`)
+            else:
+                self._release(seq)
         seq.status, seq.finish_reason, seq.stop_reason, seq.finished_time = (
             SequenceStatus.FINISHED, reason, stop_reason, now)
         if seq.detokenizer is not None:
@@ -297,3 +339,24 @@ class Scheduler:
         self._live.pop(seq.request_id, None)
         self._finished_ids.append(seq.request_id)
         self._outbox.append(seq)
+
+    # prefix caching: the end of a finished reply ---------------------------------------------
+    def _schedule_flushes(self, step: SchedulerOutput, budget: int, now: float) -> int:
+        """Entries computing the last sampled token of finished replies (not sampled from), so their
+        snapshot holds the whole conversation; where no block or budget is left, the snapshot is
+        kept one token short at once. Returns the tokens spent."""
+        spent = 0
+        for seq in list(self._flushing):
+            if spent < budget and self.blocks.can_grow(seq.block_table, seq.num_tokens):
+                self.blocks.grow(seq.block_table, seq.num_tokens)
+                step.add(seq, 1, sample=False)
+                spent += 1
+            else:
+                self._flushing.remove(seq)
+                self._keep_final(seq, now)
+        return spent
+
+    def _keep_final(self, seq: Sequence, now: float) -> None:
+        self.prefix.keep_final(seq, now)  # takes the slot over as a snapshot when it is worth keeping
+        self._release(seq)
+

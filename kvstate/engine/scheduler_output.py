@@ -11,7 +11,8 @@ get a new token; a prompt chunk in the middle of a chunked prefill does not, and
 not be sampled (a seeded generator would drift with the chunking).
 
 Besides the entries the step carries the work the runner does on the pools and its own state
-before the forward: state-slot copies (`slot_copies`, src -> dst, in order) and the requests
+before the forward: state-slot copies (`slot_copies`, src -> dst, in order), KV block copies
+(`block_copies`: copy-on-write of a prefix cache's partial block) and the requests
 finished since the last step (`finished_request_ids`), whose sampling state it drops.
 """
 
@@ -34,20 +35,22 @@ class SchedulerOutput:
     samples: list[bool] = field(default_factory=list)  # entry gets a new token after this step
     preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting by this step
     slot_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # KV blocks (src, dst) before the forward
     finished_request_ids: list[object] = field(default_factory=list)  # since the previous step
     # speculative decoding: entry -> its drafts (a "verify" entry computes the last known token and
     # them, every row sampled); entry -> tokens it keeps, set by postprocess for the runner's rollback
     drafts: dict[int, list[int]] = field(default_factory=dict)
     kept: dict[int, int] = field(default_factory=dict)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, sample: bool | None = None) -> None:
+        """`sample=False`: computed but not sampled from (a finished reply's last token, for its snapshot)."""
         assert n >= 1 and seq.state_slot is not None, (n, seq.state_slot)
         self.seqs.append(seq)
         self.num_tokens.append(n)
         self.context_lens.append(seq.num_computed_tokens)
         self.block_tables.append(list(seq.block_table))
         self.state_slots.append(seq.state_slot)
-        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens if sample is None else sample)
 
     def add_drafts(self, drafts: list[int]) -> None:
         """Make the last entry a verify entry: the last known token, then `drafts` (kvstate.engine.spec)."""

@@ -34,6 +34,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV and state are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
     state_slot: int | None = None  # state slot id while running
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -1,0 +1,182 @@
+"""Prefix caching for hybrid models: content-addressed KV blocks plus state snapshots (no torch).
+
+A linear layer's state folds all history into one matrix, so a shared prefix can only be reused
+where a copy of the state at its last token was kept. Two things make a prefix reusable:
+
+- **KV blocks**: every full block a sequence computes is registered in the `BlockManager` under the
+  hash chain of its tokens (`block_hashes`); freed, it stays cached until the LRU needs it.
+- **Snapshots**: a copy of every linear layer's recurrent + conv state at token position `p`, held
+  in a spare state slot and keyed by the tokens up to `p` (hash chain of the full blocks before `p`
+  plus the tail tokens). Any `p` works: the KV of a partial last block is kept by holding a
+  reference to that block (positions < p never change) and a request that resumes there gets its
+  own copy of it (copy-on-write), so nothing is rounded to blocks.
+
+`lookup(tokens)` finds the longest prefix (leaving one token to compute) with a snapshot whose
+full blocks are all still cached; the scheduler shares those blocks, queues the partial-block copy
+and the slot copy, and prefills only the rest. Snapshots are taken by the scheduler at prompt
+ends, reply ends (the finished sequence's slot itself), every `snapshot_interval` tokens and at
+branch points (the end of the cached blocks a new prompt shares with earlier ones).
+
+Eviction: KV blocks go least recently used (a snapshot whose blocks are gone is dropped). When a
+state slot (or the partial block of a snapshot) is needed, a snapshot is evicted by `policy`:
+"lru", or "marconi" (the idea of Marconi, MLSys 2025): recency and the prefill compute a snapshot
+saves per byte it holds, both normalized to [0, 1] over the candidates, summed; the lowest goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstate.engine.block_manager import BlockManager, SlotManager
+from kvstate.errors import KvstateError
+
+POLICIES = ("marconi", "lru")
+
+
+def block_hashes(tokens: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
+    """The hash chain of the full blocks of `tokens`: h_i = hash((h_{i-1}, block i's tokens)).
+    `start`, a chain already computed for a prefix of `tokens`, is extended (not copied)."""
+    chain = [] if start is None else start
+    for i in range(len(chain), len(tokens) // block_size):
+        parent = chain[-1] if chain else 0
+        chain.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))))
+    return chain
+
+
+def snapshot_key(tokens: list[int], p: int, chain: list[int], block_size: int) -> tuple:
+    """Key of the prefix tokens[:p]: the chain hash of its full blocks and its tail tokens."""
+    full = p // block_size
+    return (p, chain[full - 1] if full else 0, tuple(tokens[full * block_size:p]))
+
+
+@dataclass
+class Snapshot:
+    key: tuple
+    num_tokens: int  # the position p: state after tokens[:p]
+    slot: int  # the state slot holding the copy
+    chain: tuple[int, ...]  # hashes of the full blocks before p (they must stay cached)
+    partial_block: int | None  # the block holding tokens [p // bs * bs, p), referenced by the snapshot
+    last_used: float
+    hits: int = 0
+
+
+@dataclass
+class PrefixStats:
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    cached_tokens: int = 0  # of them served from the cache
+    lookups: int = 0
+    hits: int = 0
+    snapshots_taken: int = 0
+    snapshots_evicted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, blocks: BlockManager, slots: SlotManager, *, policy: str = "marconi",
+                 flops_per_token: float = 1.0, flops_per_token_pair: float = 0.0, slot_bytes: int = 1,
+                 block_bytes: int = 0, align: int = 1, alpha: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise KvstateError(f"prefix_eviction must be one of {POLICIES}, got {policy!r}")
+        self.blocks, self.slots, self.policy = blocks, slots, policy
+        self.block_size = blocks.block_size
+        # prefill compute of p tokens ~ a p + b p^2 (linear parts, attention): what a snapshot saves
+        self.a, self.b, self.alpha = flops_per_token, flops_per_token_pair, alpha
+        self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
+        self.align = align  # snapshots only at multiples of this (1: anywhere; 1024: vLLM's blocks)
+        self.snapshots: dict[tuple, Snapshot] = {}
+        self.stats = PrefixStats()
+        blocks.on_evict = self._block_evicted
+
+    # -- lookup ------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], chain: list[int]) -> Snapshot | None:
+        """The snapshot of the longest prefix of `tokens` (shorter than it) whose full blocks are cached."""
+        for p in sorted({s.num_tokens for s in self.snapshots.values()}, reverse=True):
+            if p >= len(tokens):
+                continue
+            snap = self.snapshots.get(snapshot_key(tokens, p, chain, self.block_size))
+            if snap is not None and all(self.blocks.lookup(h) is not None for h in snap.chain):
+                return snap
+        return None
+
+    def cached_blocks(self, chain: list[int]) -> int:
+        """How many leading blocks of `chain` are cached (where a new prompt branches off earlier ones)."""
+        n = 0
+        while n < len(chain) and self.blocks.lookup(chain[n]) is not None:
+            n += 1
+        return n
+
+    def use(self, snap: Snapshot, now: float) -> tuple[list[int], int | None]:
+        """Take a hit: (the shared full blocks, the partial block to copy or None); refreshes recency."""
+        snap.last_used, snap.hits = now, snap.hits + 1
+        return self.blocks.share([self.blocks.lookup(h) for h in snap.chain]), snap.partial_block
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def wants(self, tokens: list[int], p: int, chain: list[int], now: float) -> bool:
+        """Whether a snapshot at p is worth taking (allowed position, not held yet: then refreshed)."""
+        if p < 1 or p % self.align:
+            return False
+        snap = self.snapshots.get(snapshot_key(tokens, p, chain, self.block_size))
+        if snap is not None:
+            snap.last_used = now
+            return False
+        return True
+
+    def add(self, tokens: list[int], p: int, chain: list[int], table: list[int], slot: int, now: float) -> Snapshot:
+        """Record a snapshot at p held in `slot` (already taken for it); references the partial block of `table`."""
+        full = p // self.block_size
+        partial = None
+        if p % self.block_size:
+            partial = self.blocks.share([table[full]])[0]
+        snap = Snapshot(snapshot_key(tokens, p, chain, self.block_size), p, slot, tuple(chain[:full]), partial, now)
+        self.snapshots[snap.key] = snap
+        self.stats.snapshots_taken += 1
+        return snap
+
+    def drop(self, snap: Snapshot) -> None:
+        """Forget a snapshot: its slot and partial block go back."""
+        del self.snapshots[snap.key]
+        self.slots.free(snap.slot)
+        if snap.partial_block is not None:
+            self.blocks.free([snap.partial_block])
+        self.stats.snapshots_evicted += 1
+
+    def evict_one(self, *, needs_block: bool = False, keep: Snapshot | None = None) -> bool:
+        """Evict the least valuable snapshot but `keep` (one whose partial block only it holds, when
+        `needs_block`); False if there is none."""
+        cands = [s for s in self.snapshots.values() if s is not keep and (not needs_block or (
+                 s.partial_block is not None and self.blocks.ref_count(s.partial_block) == 1))]
+        if not cands:
+            return False
+        self.drop(min(cands, key=self._scorer(cands)))
+        return True
+
+    def _scorer(self, cands: list[Snapshot]):
+        if self.policy == "lru":
+            return lambda s: s.last_used
+        lo, hi = min(s.last_used for s in cands), max(s.last_used for s in cands)
+        eff = {id(s): self.saved_flops(s.num_tokens) / self.snapshot_bytes(s) for s in cands}
+        top = max(eff.values()) or 1.0
+        span = (hi - lo) or 1.0
+        return lambda s: (s.last_used - lo) / span + self.alpha * eff[id(s)] / top
+
+    def saved_flops(self, p: int) -> float:
+        return self.a * p + self.b * p * p
+
+    def snapshot_bytes(self, snap: Snapshot) -> int:
+        return self.slot_bytes + (self.block_bytes if snap.partial_block is not None else 0)
+
+    def _block_evicted(self, block: int, block_hash: int) -> None:
+        """A cached block was reused: snapshots that need it can no longer be resumed."""
+        for snap in [s for s in self.snapshots.values() if block_hash in s.chain]:
+            self.drop(snap)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def report(self) -> dict:
+        s = self.stats
+        held = list(self.snapshots.values())
+        return {"prefix_prompt_tokens": s.prompt_tokens, "prefix_cached_tokens": s.cached_tokens,
+                "prefix_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "prefix_lookups": s.lookups, "prefix_hits": s.hits,
+                "snapshots_held": len(held), "snapshot_bytes": sum(self.snapshot_bytes(x) for x in held),
+                "snapshots_taken": s.snapshots_taken, "snapshots_evicted": s.snapshots_evicted,
+                "cached_blocks": self.blocks.num_cached_blocks}

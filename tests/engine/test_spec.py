@@ -1,0 +1,138 @@
+"""Speculative decoding end to end: exact greedy outputs on four families, draft models, stats.
+
+Outputs with speculation must be token for token the plain engine's (greedy), with chunked
+prefill, arrivals over time and preemption under memory pressure. Besides prompt lookup (which
+a random model rarely confirms), a test drafter replays the plain continuation with every third
+token corrupted, so verify entries accept 0..k drafts and roll back to every length.
+"""
+
+import pytest
+import torch
+
+from kvstate import LLM, SamplingParams
+from kvstate.models.generate import greedy_generate
+from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_qwen3_5
+from tests.models.checks import random_ids, redraw_weights
+
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    FAMILIES[request.param]().save_pretrained(path)
+    return path
+
+
+class NoisyReplay:
+    """Drafts the plain greedy continuation, every third position (by position) wrong."""
+
+    def __init__(self, expected: dict[tuple, list[int]]):
+        self.expected = expected  # prompt -> prompt + its plain greedy output
+
+    def propose(self, requests):
+        out = []
+        for seq, k in requests:
+            full, n = self.expected[tuple(seq.prompt_token_ids)], seq.num_tokens
+            out.append([t if (n + i) % 3 else (t + 1) % VOCAB for i, t in enumerate(full[n : n + k])])
+        return out
+
+    def release(self, seq):
+        pass
+
+
+def small_spec_llm(path, spec, blocks=24, block_size=4, num_seqs=6, budget=24, **kw):
+    probe = LLM(path, cache_memory="64MiB", block_size=block_size, max_num_seqs=num_seqs)
+    s = probe.runner.spec
+    return LLM(path, cache_memory=num_seqs * s.state_bytes + blocks * block_size * s.kv_bytes_per_token,
+               block_size=block_size, max_num_seqs=num_seqs, max_num_batched_tokens=budget, speculative_config=spec,
+               **kw)
+
+
+def run_arrivals(llm, prompts, params):
+    core, done, step, added = llm.engine, {}, 0, 0
+    while len(done) < len(prompts):
+        if added < len(prompts) and step % 2 == 0:
+            core.add_request(added, prompts[added], params)
+            added += 1
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = out.output
+        step += 1
+    return [done[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("drafter", ["noisy", "ngram"])
+def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, drafter):
+    llm = small_spec_llm(checkpoint, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    prompts = [random_ids(VOCAB, n, i) for i, n in enumerate(LENGTHS)]
+    prompts[3] = [5, 6, 7, 8] * 4  # something prompt lookup can draft from
+    expected = [greedy_generate(llm.model, p, NEW) for p in prompts]
+    if drafter == "noisy":
+        llm.engine.spec.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
+    outs = run_arrivals(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0  # nothing leaked
+    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert stats["spec_num_draft_tokens"] == drafted > 0 and stats["spec_num_accepted_tokens"] == accepted
+    if drafter == "noisy":
+        assert 0 < accepted < drafted
+        assert stats["spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+        if llm.runner.spec.kv_bytes_per_token:
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_stop_inside_the_accepted_drafts_ends_there(checkpoint):
+    llm = LLM(checkpoint, cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    prompt = random_ids(VOCAB, 9, 5)
+    plain = greedy_generate(llm.model, prompt, NEW)
+    llm.engine.spec.drafter = NoisyReplay({tuple(prompt): prompt + plain})
+    stop = plain[7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
+    assert out.token_ids == plain[: plain.index(stop) + 1] and out.finish_reason == "stop"
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_hybrid_draft_model_of_the_same_vocabulary(tmp_path):
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    tiny_qwen3_5().save_pretrained(target)
+    hf = tiny_qwen3_5()
+    redraw_weights(hf, 1)  # another random model: it agrees with the target only sometimes
+    hf.save_pretrained(draft)
+    plain = LLM(target, cache_memory="16MiB")
+    prompts = [random_ids(VOCAB, n, 20 + n) for n in (4, 19, 33)] + [[9, 8, 7] * 5]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    for source in (draft, target):  # the target as its own draft accepts everything
+        llm = LLM(target, cache_memory="16MiB", speculative_config={"model": str(source), "num_speculative_tokens": 3})
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        stats = llm.stats()
+        assert stats["spec_num_draft_tokens"] > 0
+        if source == target:
+            assert stats["spec_acceptance_rate"] == 1.0
+        drafter = llm.engine.spec.drafter
+        assert not drafter.held and drafter.slots.num_free_slots == drafter.runner.sizes.num_slots
+
+
+def test_requests_with_penalties_or_logprobs_get_no_drafts(checkpoint):
+    llm = LLM(checkpoint, cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = [4, 5, 6] * 6
+    outs = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+                                          SamplingParams(temperature=0, max_tokens=6, logprobs=2)])
+    plain = LLM(checkpoint, cache_memory="16MiB").generate(
+        [prompt, prompt], [SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+                           SamplingParams(temperature=0, max_tokens=6, logprobs=2)])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(o.metrics["num_draft_tokens"] == 0 for o in outs)
+    assert outs[1].outputs[0].logprobs is not None
+
+
+def test_sampled_speculation_runs_and_drafts(checkpoint):
+    llm = LLM(checkpoint, cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    outs = llm.generate([[4, 5, 6] * 6] * 3, SamplingParams(temperature=0.8, top_k=10, seed=3, max_tokens=10,
+                                                            ignore_eos=True))
+    assert all(len(o.token_ids) == 10 for o in outs)
+    assert llm.stats()["kv_blocks_used"] == 0
