@@ -75,10 +75,10 @@ class EngineCore:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
                  snapshot_interval: int | None = 512, prefix_eviction: str = "marconi", prefix_align: int = 1,
-                 num_snapshot_slots: int | None = None):
+                 num_snapshot_slots: int | None = None, speculative_config=None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks."""
+        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.spec`)."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
 
@@ -114,6 +114,11 @@ class EngineCore:
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
+        self.spec = None  # speculative decoding's Proposer
+        if speculative_config is not None:
+            from kvstate.engine.spec.proposer import make_proposer
+
+            self.spec = make_proposer(speculative_config, self)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
 
@@ -121,11 +126,6 @@ class EngineCore:
     def model(self):
         return self.runner.model
 
-    # -- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None) -> None:
-        """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
-        by the next step as finished with an error."""
-        params = SamplingParams() if params is None else params
     def _prefix_costs(self) -> tuple[float, float, int, int]:
         """(prefill FLOPs per token, per token pair, slot bytes, block bytes) for the snapshot eviction:
         2 per weight per token; attention's QK and PV ~ 2 per cached K/V element per query (GQA's
@@ -135,6 +135,11 @@ class EngineCore:
         kv_elems = spec.kv_bytes_per_token / 4  # the runner's KV pools are fp32
         return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
 
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None) -> None:
+        """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
+        by the next step as finished with an error."""
+        params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
         self.scheduler.add(request_id, prompt_token_ids, params)
@@ -163,6 +168,11 @@ class EngineCore:
         want = any(p.logprobs is not None for p in step.sample_params())
         logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
         finished = self.scheduler.postprocess(step, out.token_ids, logprobs)
+        if self.spec is not None:  # roll verified states back, count, draft for the next step
+            self.runner.keep(step)
+            self.spec.record(step, out.token_ids)
+            self.spec.release([*finished, *step.preempted])
+            self.spec.propose(self.scheduler.running)
         sampled = step.sample_seqs()
         in_step = {id(s) for s in sampled}
         return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]
@@ -180,6 +190,7 @@ class EngineCore:
         text = seq.output_text or ""  # None without a tokenizer: token ids only
         logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
+        cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
                              metrics=seq.metrics(), num_cached_tokens=cached)
 
@@ -190,7 +201,6 @@ class EngineCore:
         used_slots = sizes.num_slots - self.scheduler.slots.num_free_slots
         return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes, "state": used_slots * sizes.slot_bytes}
 
-        cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
     def stats(self) -> dict[str, int]:
         """Requests and pool occupancy now (what a server's metrics endpoint would report)."""
         s, sizes = self.scheduler, self.runner.sizes
@@ -198,4 +208,5 @@ class EngineCore:
                 "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": sizes.num_blocks,
                 "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
                 **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()},
-                **(s.prefix.cache.report() if s.prefix is not None else {}),}
+                **(s.prefix.cache.report() if s.prefix is not None else {}),
+                **(self.spec.stats() if self.spec is not None else {})}

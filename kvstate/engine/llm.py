@@ -30,7 +30,8 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, load_progress=None,
                  enable_prefix_caching: bool = False, snapshot_interval: int | None = 512,
-                 prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1):
+                 prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
+                 speculative_config: dict | None = None):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
         (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru")."""
@@ -49,7 +50,7 @@ class LLM:
                                  max_model_len=max_model_len, conv_window=conv_window, seed=seed,
                                  enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
                                  prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
-                                 prefix_align=prefix_align)
+                                 prefix_align=prefix_align, speculative_config=speculative_config)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
 

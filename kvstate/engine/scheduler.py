@@ -195,9 +195,13 @@ class Scheduler:
                     break
                 if seq.status is not RUNNING or seq in scheduled or (seq.num_remaining_tokens == 1) != decodes:
                     continue
-                n = self._fit(seq, min(seq.num_remaining_tokens, budget), scheduled, step, preempt_self=decodes)
+                # a decode with drafts (speculative decoding) verifies them in the same entry
+                want = seq.num_remaining_tokens + (len(seq.spec_token_ids) if decodes else 0)
+                n = self._fit(seq, min(want, budget), scheduled, step, preempt_self=decodes)
                 if n:
                     step.add(seq, n)
+                    if decodes and n > 1:
+                        step.add_drafts(seq.spec_token_ids[: n - 1])
                     scheduled.add(seq)
                     budget -= n
         while (not step.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
@@ -222,21 +226,21 @@ class Scheduler:
             scheduled.add(seq)
             budget -= n
         step.slot_copies = self.slots.take_copies()
+        step.block_copies = self.blocks.take_copies()
         step.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._pending = step
         return step
 
-        step.block_copies = self.blocks.take_copies()
     def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
              preempt_self: bool) -> int:
         """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
+        if self.prefix is not None:  # chunks end at snapshot positions; snapshots give way to running work
+            n = self.prefix.limit(seq, n)
+            self.prefix.reclaim(self.blocks.blocks_missing(seq.block_table, seq.num_computed_tokens + n))
         while self.blocks.capacity(seq.block_table) <= seq.num_computed_tokens:
             victim = self._victim(seq, scheduled, preempt_self)
             if victim is None:
                 return 0
-        if self.prefix is not None:  # chunks end at snapshot positions; snapshots give way to running work
-            n = self.prefix.limit(seq, n)
-            self.prefix.reclaim(self.blocks.blocks_missing(seq.block_table, seq.num_computed_tokens + n))
             self._preempt(victim, step)
             if victim is seq:
                 return 0
@@ -263,12 +267,12 @@ class Scheduler:
         step.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.release(seq)
         self.blocks.free(seq.block_table)
         if seq.state_slot is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None
-        if self.prefix is not None:
-            self.prefix.release(seq)
         seq.num_computed_tokens = 0
 
     # results -------------------------------------------------------------------------------
@@ -285,23 +289,26 @@ class Scheduler:
         now = self.clock()
         sampled = dict(zip(rows, range(len(rows))))
         for i, (seq, n) in enumerate(step.entries):
-            if seq.status is not RUNNING:  # aborted after scheduling
-                continue
-            seq.num_computed_tokens += n
-            j = sampled.get(i)
             if seq in self._flushing:  # a finished reply's last token is in the cache: keep its end
                 self._flushing.remove(seq)
                 seq.num_computed_tokens += n
                 self._keep_final(seq, now)
                 continue
+            if seq.status is not RUNNING:  # aborted after scheduling
+                continue
+            if i in step.drafts:
+                self._accept(seq, i, step, token_ids[sampled[i]], now)
+                continue
+            seq.num_computed_tokens += n
+            if self.prefix is not None:
+                self.prefix.computed(seq, now)
+            j = sampled.get(i)
             if j is None:
                 continue
             token = int(token_ids[j])
             seq.output_token_ids.append(token)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
-            if self.prefix is not None:
-                self.prefix.computed(seq, now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
@@ -360,3 +367,30 @@ class Scheduler:
         self.prefix.keep_final(seq, now)  # takes the slot over as a snapshot when it is worth keeping
         self._release(seq)
 
+    # speculative decoding: the outcome of a verify entry -------------------------------------
+    def _accept(self, seq: Sequence, i: int, step: SchedulerOutput, tokens: list[int], now: float) -> None:
+        """Entry i verified seq's last known token and its drafts; `tokens` are the accepted drafts and
+        the token sampled after them. They are appended one by one up to a stop; the computed tokens
+        are those before the last appended one (`step.kept[i]` of this entry's, for the runner's
+        rollback of the linear layers), and the KV blocks past them (rejected drafts) are freed."""
+        start = seq.num_computed_tokens
+        seq.num_draft_tokens += len(step.drafts[i])
+        seq.num_accepted_tokens += len(tokens) - 1
+        stop = None
+        for t, token in enumerate(tokens):
+            seq.num_computed_tokens = start + 1 + t
+            seq.output_token_ids.append(int(token))
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            stop = self._stop(seq, int(token))
+            if stop is not None:
+                break
+        step.kept[i] = seq.num_computed_tokens - start
+        if self.prefix is not None:
+            self.prefix.computed(seq, now)
+        extra = seq.block_table[self.blocks.blocks_for(seq.num_computed_tokens):]
+        del seq.block_table[len(seq.block_table) - len(extra):]
+        self.blocks.free(extra)
+        if stop is not None:
+            self._finish(seq, *stop, now)
