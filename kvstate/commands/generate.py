@@ -66,6 +66,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + output in tokens, at most the model's (default: the model's "
                              "max_position_embeddings)")
+    spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
+    spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
+                      help="draft K tokens per step by prompt lookup (the continuation of the last n-gram's "
+                           "latest earlier occurrence)")
+    spec.add_argument("--spec-model", default=None, metavar="PATH",
+                      help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
+    spec.add_argument("--spec-tokens", type=_positive_int, default=4, metavar="K",
+                      help="tokens the draft model proposes per step (default: 4)")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="vLLM's dict, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                           "\"prompt_lookup_max\": 4}'")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt when done instead of streaming text")
 
@@ -82,6 +93,24 @@ def read_prompts(prompts: list[str], stdin=None) -> list[str]:
     if not text:
         raise KvstateError("prompt: '-' read an empty prompt from stdin")
     return [text if p == "-" else p for p in prompts]
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """The speculative_config of the flags (at most one of them), or None."""
+    given = [f for f, v in (("--spec-ngram", args.spec_ngram), ("--spec-model", args.spec_model),
+                            ("--speculative-config", args.speculative_config)) if v is not None]
+    if len(given) > 1:
+        raise KvstateError(f"{' and '.join(given)}: give one way of drafting")
+    if args.spec_ngram is not None:
+        return {"method": "ngram", "num_speculative_tokens": args.spec_ngram}
+    if args.spec_model is not None:
+        return {"model": args.spec_model, "num_speculative_tokens": args.spec_tokens}
+    if args.speculative_config is not None:
+        try:
+            return json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise KvstateError(f"--speculative-config: not JSON ({e.msg} at character {e.pos})") from None
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_checkpoint(args.model)  # a hub id -> its snapshot dir (weights and tokenizer)
     with load_progress(console, enabled=not args.json) as progress:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
-                  load_progress=progress)
+                  load_progress=progress, speculative_config=speculative_config(args))
     if args.chat:
         if llm.tokenizer is None:
             raise KvstateError(f"{args.model}: --chat needs a tokenizer.json")
@@ -143,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
         if o.error:
             console.print(f"[red]error:[/] {o.error}", soft_wrap=True)
     console.print(f"[dim]{summary(outputs, elapsed, peak)}[/]", soft_wrap=True)
+    stats = llm.stats()
+    if stats.get("spec_num_draft_tokens") is not None:
+        console.print(f"[dim]speculation: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
+                      f"drafted tokens accepted ({100 * stats['spec_acceptance_rate']:.0f}%), "
+                      f"{stats['spec_mean_accepted_length']:.2f} tokens per verify step[/]", soft_wrap=True)
     return 2 if failed else 0
 
 
