@@ -136,3 +136,24 @@ def test_sampled_speculation_runs_and_drafts(checkpoint):
                                                             ignore_eos=True))
     assert all(len(o.token_ids) == 10 for o in outs)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_prefix_caching_and_speculation_together_stay_exact(checkpoint):
+    """A shared system prompt, two turns, a branch: cached prefixes and verify entries in the same steps."""
+    llm = LLM(checkpoint, cache_memory="16MiB", block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+              enable_prefix_caching=True, snapshot_interval=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    system = random_ids(VOCAB, 13, 77)
+    first = [system + random_ids(VOCAB, n, 80 + n) for n in (3, 6, 9)]
+    want1 = [greedy_generate(llm.model, p, NEW) for p in first]
+    second = [p + o + random_ids(VOCAB, 4, 90 + i) for i, (p, o) in enumerate(zip(first, want1))]
+    second.append(first[0] + want1[0] + random_ids(VOCAB, 5, 99))  # another branch of the first chat
+    want2 = [greedy_generate(llm.model, p, NEW) for p in second]
+    llm.engine.spec.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(first + second, want1 + want2)})
+    assert [o.token_ids for o in llm.generate(first, params)] == want1
+    outs = llm.generate(second, params)
+    assert [o.token_ids for o in outs] == want2
+    assert all(o.num_cached_tokens > len(system) for o in outs)  # each turn reuses its conversation so far
+    stats = llm.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
