@@ -48,9 +48,9 @@ def kernel_path(info: dict, dtype: str, rows: int) -> str:
     if info["backend"] == "torch" or rows > limit:
         return "torch"
     isa = info["isa"]
-    if isa == "amx" and (dtype != "bf16" or rows < 3):  # AMX: bf16 weights, 3 to 16 rows a call
+    if isa == "amx" and (dtype != "bf16" or rows < 3):  # AMX: bf16 weights, 3 or more rows a call
         isa = "avx512"
-    calls = -(-rows // kernels.MAX_ROWS)
+    calls = -(-rows // kernels.BF16_CALL_ROWS) if dtype == "bf16" else 1
     return isa if calls == 1 else f"{isa} x{calls}"
 
 

@@ -32,7 +32,7 @@ def test_every_backend_against_truth(name, dtype):
     w = torch.randn(45, 77, generator=g).to(dtype)  # 32 rows for AMX, 13 for the rest
     b = torch.randn(45, generator=g)
     with kernels.backend(name):
-        for shape in [(77,), (1, 77), (2, 3, 77), (17, 77), (40, 77), (70, 77), (0, 77)]:
+        for shape in [(77,), (1, 77), (2, 3, 77), (17, 77), (40, 77), (70, 77), (0, 77)]:  # 40: bf16 in 3 calls
             x = torch.randn(*shape, generator=g)
             y = kernels.linear(x, w, b)
             assert y.shape == (*shape[:-1], 45)
@@ -66,7 +66,7 @@ def test_environment_is_read_at_import():
 
 
 def test_what_goes_to_torch(monkeypatch):
-    """More than MAX_ROWS rows (MAX_ROWS_BF16 for bf16 weights, in calls of MAX_ROWS), autograd, a
+    """More than MAX_ROWS rows (MAX_ROWS_BF16 for bf16 weights, in calls of BF16_CALL_ROWS), autograd, a
     float64 x, a non-contiguous weight: F.linear, still right."""
     ext = extension()
     calls = []
@@ -79,7 +79,7 @@ def test_what_goes_to_torch(monkeypatch):
     assert len(calls) == 1
     xb = torch.randn(kernels.MAX_ROWS_BF16, 16)
     torch.testing.assert_close(kernels.linear(xb, w.bfloat16()), xb @ w.bfloat16().float().T)
-    assert len(calls) == 1 + kernels.MAX_ROWS_BF16 // kernels.MAX_ROWS
+    assert len(calls) == 1 + kernels.MAX_ROWS_BF16 // kernels.BF16_CALL_ROWS
     calls.clear()
     torch.testing.assert_close(kernels.linear(torch.cat([xb, xb]), w.bfloat16()), torch.cat([xb, xb]) @ w.bfloat16().float().T)
     assert calls == []
