@@ -32,10 +32,12 @@ def _request_row(seq, computed: int, blocks: list[int], slot, status: str) -> di
 
 
 def step_modes(step) -> list[str]:
-    """"decode" or "prefill" for each entry of a SchedulerOutput: decode is one new position of a
-    request past its prompt; everything else (prompt chunks, recompute) is prefill work."""
-    return ["decode" if n == 1 and ctx >= seq.num_prompt_tokens else "prefill"
-            for seq, n, ctx in zip(step.seqs, step.num_tokens, step.context_lens)]
+    """"decode", "verify" or "prefill" for each entry of a SchedulerOutput: decode is one new position
+    of a request past its prompt, verify a decode with draft tokens (speculative decoding: the step's
+    `drafts`); everything else (prompt chunks, the recompute after a preemption) is prefill work."""
+    drafts = getattr(step, "drafts", None) or {}
+    return ["verify" if i in drafts else "decode" if n == 1 and ctx >= seq.num_prompt_tokens else "prefill"
+            for i, (seq, n, ctx) in enumerate(zip(step.seqs, step.num_tokens, step.context_lens))]
 
 
 def prefix_snapshots(core, limit: int = 64) -> list[dict]:

@@ -21,8 +21,7 @@ async function runCache(ev) {
   const max = Math.max(...r.steps.map((s) => s.without_cache));
   const rows = [];
   r.steps.forEach((s, i) => {
-    const kind = s.mode === "decode" ? "decode" : "prefill";
-    rows.push(el("div", {class: "muted mono"}, `step ${i + 1} (${kind})`),
+    rows.push(el("div", {class: "muted mono"}, `step ${i + 1} (${s.mode})`),
               hbar("cache on", s.with_cache, max, `${s.with_cache} positions`, "var(--actual)"),
               hbar("cache off", s.without_cache, max, `${s.without_cache} positions`, "var(--bad)"));
   });
