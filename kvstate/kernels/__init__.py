@@ -7,7 +7,18 @@ the CPU has; built at install by `python -m kvstate.kernels.build`) for such inp
 `info()` says which path is active.
 """
 
-from kvstate.kernels.dispatch import CHOICES, ENV, BF16_CALL_ROWS, MAX_ROWS, MAX_ROWS_BF16, backend, info, linear, torch_linear
+from kvstate.kernels.dispatch import (
+    BF16_CALL_ROWS,
+    CHOICES,
+    ENV,
+    MAX_ROWS,
+    MAX_ROWS_BF16,
+    backend,
+    info,
+    linear,
+    torch_linear,
+)
 from kvstate.kernels.linear_module import Linear
 
-__all__ = ["BF16_CALL_ROWS", "CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "info", "linear", "torch_linear"]
+__all__ = ["BF16_CALL_ROWS", "CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "info", "linear",
+           "torch_linear"]

@@ -3,8 +3,9 @@
 The extension serves CPU float32 x with at most `MAX_ROWS` rows (all leading dimensions
 flattened; `MAX_ROWS_BF16` for bf16 weights) and a contiguous float32 or bfloat16 weight,
 outside autograd. Everything else, and everything when the extension is missing, runs
-`F.linear` in x's dtype (a bf16 weight is upcast first, which is exact). The choice can be forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in
-the environment (read at import), or `with kernels.backend("torch"):` (tests), which wins.
+`F.linear` in x's dtype (a bf16 weight is upcast first, which is exact). The choice can be
+forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in the environment (read at import), or
+`with kernels.backend("torch"):` (tests), which wins.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if bias is not None and (not bias.is_cpu or bias.dim() != 1):
         return False
     # The kernel has no backward.
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         return False
     return True
 
