@@ -59,7 +59,7 @@ class StepRecorder:
         self.history: OrderedDict[str, list[dict]] = OrderedDict()  # request id -> per-step records
         self.max_requests = max_requests
         self.finished: deque[dict] = deque(maxlen=max_finished)
-        self._last_seen: dict[str, dict] = {}  # request id -> its row at its last step (blocks before release)
+        self._last_seen: OrderedDict[str, dict] = OrderedDict()  # request id -> its row at its last step
         self.view: dict | None = None
         # since the start, by step kind (a step with any prefill work counts as a prefill step)
         self.totals = {kind: {"steps": 0, "tokens": 0, "ms": 0.0} for kind in ("prefill", "decode")}
@@ -87,12 +87,14 @@ class StepRecorder:
                                                  step.block_tables, step.state_slots, modes):
             rid = str(seq.request_id)
             entries.append({"id": rid, "tokens": n, "mode": mode})
-            self._last_seen[rid] = _request_row(seq, ctx + n, table, slot, "running")
+            self._last_seen[rid] = _request_row(seq, ctx + n, table, slot, "running")  # blocks before release
+            self._last_seen.move_to_end(rid)
             record = {"step": index, "computed": n, "context": ctx, "mode": mode}
             self.history.setdefault(rid, []).append(record)
             self.history.move_to_end(rid)
-        while len(self.history) > self.max_requests:
-            self.history.popitem(last=False)
+        for seen in (self.history, self._last_seen):  # bounded: requests failed outside a step never finish here
+            while len(seen) > self.max_requests:
+                seen.popitem(last=False)
         prefill = sum(e["tokens"] for e in entries if e["mode"] == "prefill")
         total = self.totals["prefill" if prefill else "decode"]
         total["steps"] += 1

@@ -70,6 +70,7 @@ async function boot() {
     return;
   }
   document.getElementById("served").textContent = info.loaded ? `serving ${info.loaded}` : "no model served";
+  engine.model = info.loaded;  // the name /v1/completions expects
   document.getElementById("prompt-form").addEventListener("submit", sendPrompts);
   document.getElementById("cache-form").addEventListener("submit", runCache);
   document.getElementById("recall-form").addEventListener("submit", runRecall);
