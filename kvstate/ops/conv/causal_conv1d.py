@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstate.ops._common import check, check_cu_seqlens, num_sequences
+from kvstate.ops._common import check, check_cu_seqlens, num_sequences, seq_bounds
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -48,11 +48,7 @@ def causal_conv1d(x, weight, bias=None, *, activation=None, initial_state=None, 
         if initial_state.shape[2] not in (w_len, w_len - 1):
             raise ValueError(f"initial_state must have {w_len} or {w_len - 1} columns, got {initial_state.shape[2]}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if cu_seqlens is None:
-        lengths, starts = [t] * b, [i * t for i in range(b)]
-    else:
-        bounds = cu_seqlens.tolist()
-        lengths, starts = [e - s for s, e in zip(bounds[:-1], bounds[1:])], bounds[:-1]
+    starts, lengths = seq_bounds(b, t, cu_seqlens)
     rows = x.to(dtype).reshape(b * t, d)  # packed rows [sum(T), D]
     taps = weight.to(dtype).t().contiguous()  # [W, D] contiguous rows: taps[W-1] multiplies the newest input
     # the full history before each sequence, token-first: [N, W, D] (oldest first)
