@@ -1,0 +1,156 @@
+"""`kvstate bench spec`: speculative decoding's acceptance rate and batch-1 decode tokens/s, with and without.
+
+One target model (a random ~0.5B Qwen3.5-style checkpoint; `--quick`: a small one), one engine;
+only the proposer changes between runs, so every row runs the same weights, pools and prompts:
+- oracle: replays the target's own greedy continuation (acceptance 100%, no drafting cost), so
+  the row shows what verifying k+1 tokens in one forward costs and gains;
+- ngram: prompt lookup on a copy-heavy prompt (a passage repeated); on a random model greedy
+  decoding copies only where it happens to, so the acceptance is measured, not assumed;
+- draft: a smaller random Qwen3.5-style checkpoint of the same vocabulary (unrelated to the
+  target, so it rarely agrees: the row shows the cost of drafting more than its gain).
+Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
+N - 1 tokens, best of `--repeats`. Every speculative run is checked token for token against plain
+greedy decoding ("exact").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+DRAFT_DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
+                  linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a small target, short runs (seconds)")
+    parser.add_argument("--ks", default=None, help="drafted tokens per step to try (default 2,4,8; quick 2,4)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; quick 32)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 64; quick 16)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts (default 2)")
+    parser.add_argument("--methods", default="oracle,ngram,draft", help="which drafters (default: all three)")
+
+
+class OracleDrafter:
+    """Drafts the continuation the target is known to produce (the benchmark's upper bound)."""
+
+    def __init__(self, expected: dict[tuple, list[int]]):
+        self.expected = expected  # prompt -> prompt + the plain greedy output
+
+    def propose(self, requests):
+        return [self.expected[tuple(s.prompt_token_ids)][s.num_tokens : s.num_tokens + k] for s, k in requests]
+
+    def release(self, seq) -> None:
+        pass
+
+
+def draft_checkpoint(vocab: int, directory: str):
+    """A small random Qwen3.5-style checkpoint with the target's vocabulary."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    n = DRAFT_DIMS["num_hidden_layers"]
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    torch.manual_seed(1)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(layer_types=types, max_position_embeddings=32768, vocab_size=vocab,
+                                         **DRAFT_DIMS)).float().save_pretrained(directory)
+    return directory
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+    from rich.table import Table
+
+    from kvstate.bench.checkpoints import qwen3_5_checkpoint
+    from kvstate.bench.timing import silence_expected_warnings
+    from kvstate.commands.console import make_console
+    from kvstate.engine.llm import LLM
+    from kvstate.engine.params import SamplingParams
+    from kvstate.engine.spec.config import SpeculativeConfig
+    from kvstate.engine.spec.draft_model import DraftModelDrafter
+    from kvstate.engine.spec.ngram import NgramDrafter
+    from kvstate.engine.spec.proposer import Proposer
+    from kvstate.models.loader import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    silence_expected_warnings()
+    console = make_console(stderr=args.json)
+    ks = [int(k) for k in (args.ks or ("2,4" if args.quick else "2,4,8")).split(",")]
+    plen = args.prompt_len or (32 if args.quick else 128)
+    new = args.new_tokens or (16 if args.quick else 64)
+    methods = args.methods.split(",")
+    size = "quick" if args.quick else "0.5b"
+    with tempfile.TemporaryDirectory(prefix="kvstate-bench-spec-") as tmp:
+        with console.status("building checkpoints"):
+            path, hf = qwen3_5_checkpoint(size, f"{tmp}/target")
+            del hf
+            llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=4 * plen, max_model_len=4 * plen + new + 32,
+                      cache_memory=None)
+            vocab = llm.plan.vocab_size
+            draft = load_model(draft_checkpoint(vocab, f"{tmp}/draft")) if "draft" in methods else None
+    core = llm.engine
+    g = torch.Generator().manual_seed(0)
+    passage = torch.randint(0, vocab, (plen // 2,), generator=g).tolist()
+    prompts = {"random": torch.randint(0, vocab, (plen,), generator=g).tolist(),
+               "copy-heavy": passage * 3}  # the model continues a passage it has seen twice
+
+    def decode(prompt, make):
+        """(tokens/s, output, proposer) of batch-1 greedy decoding with the proposer `make()` (None: plain)."""
+        best, out, prop = None, None, None
+        for _ in range(args.repeats):
+            times = []
+            for n in (1, new):
+                core.spec = prop = make()
+                t0 = time.perf_counter()
+                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+                times.append(time.perf_counter() - t0)
+            tps = (new - 1) / max(times[1] - times[0], 1e-9)
+            best = tps if best is None else max(best, tps)
+        return best, out.token_ids, prop
+
+    rows, plain = [], {}
+    decode(prompts["random"][:8], lambda: None)  # warm up
+    for name, prompt in prompts.items():
+        with console.status(f"plain decode, {name} prompt"):
+            plain[name] = decode(prompt, lambda: None)[:2]
+    expected = {tuple(p): p + plain[name][1] for name, p in prompts.items()}
+    drafters = {"oracle": ("random", lambda k: OracleDrafter(expected)),
+                "ngram": ("copy-heavy", lambda k: NgramDrafter(1, 4)),
+                "draft": ("random", lambda k: DraftModelDrafter(draft[0], draft[1], max_num_seqs=1,
+                                                                block_size=core.scheduler.config.block_size,
+                                                                max_tokens=core.max_model_len, k=k))}
+    for method in methods:
+        which, make_drafter = drafters[method]
+        base_tps, base_tokens = plain[which]
+        for k in ks:
+            cfg = SpeculativeConfig("ngram", k)
+            with console.status(f"{method}, k={k}"):
+                tps, tokens, prop = decode(prompts[which], lambda: Proposer(cfg, make_drafter(k), core.max_model_len))
+            st = prop.stats()
+            rows.append(dict(method=method, prompt=which, k=k, acceptance=st["spec_acceptance_rate"],
+                             tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,
+                             plain_tokens_per_s=base_tps, speedup=tps / base_tps, exact=tokens == base_tokens))
+    core.spec = None
+    result = dict(model=f"random Qwen3.5-style {size} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})",
+                  prompt_tokens=plen, new_tokens=new, threads=torch.get_num_threads(),
+                  plain_tokens_per_s={k: v[0] for k, v in plain.items()}, rows=rows)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    console.print(f"{result['model']}; batch 1, greedy, {new} new tokens; fp32, {result['threads']} threads; "
+                  + ", ".join(f"plain {k} prompt {v:.1f} tok/s" for k, v in result["plain_tokens_per_s"].items()),
+                  soft_wrap=True)
+    table = Table(title="kvstate bench spec")
+    for col in ("drafter", "prompt", "k", "acceptance", "tokens/step", "tok/s", "vs plain", "exact"):
+        table.add_column(col, justify="left" if col in ("drafter", "prompt") else "right")
+    for r in rows:
+        table.add_row(r["method"], r["prompt"], str(r["k"]), f"{100 * r['acceptance']:.0f}%",
+                      f"{r['tokens_per_step']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      "yes" if r["exact"] else "NO")
+    console.print(table)
+    return 0
