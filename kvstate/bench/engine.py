@@ -1,7 +1,8 @@
 """`kvstate bench engine`: decode and prefill throughput of the engine against transformers' generate().
 
-Same checkpoint and the same prompts on both sides, in one process, fp32: a random Qwen3.5-style
-one by default, or any checkpoint given with `--model PATH_OR_HUB_ID`.
+Same checkpoint and the same prompts on both sides, in one process: a random Qwen3.5-style one
+(fp32) by default, or any checkpoint given with `--model PATH_OR_HUB_ID`. kvstate keeps its weight
+matrices in `--weight-dtype` (default: the checkpoint's), activations fp32; transformers runs fp32.
 Decode speed is measured the same way for both: the time of generating N tokens minus the time
 of generating 1 (prefill + first token), over N - 1 steps. Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
@@ -14,6 +15,8 @@ import argparse
 import json
 import time
 
+from kvstate.commands.generate import add_weight_dtype
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH_OR_HUB_ID", default=None,
@@ -22,8 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 128; quick 32)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32; quick 8)")
-    parser.add_argument("--prefill-len", type=int, default=None, help="prompt of the prefill measurement (default 1024)")
+    parser.add_argument("--prefill-len", type=int, default=None, help="prompt of the prefill measurement (default 512)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    add_weight_dtype(parser)
 
 
 def weight_bytes(model) -> int:
@@ -89,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     console, limits = start(args)
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
-    prefill_len = args.prefill_len or (128 if args.quick else 1024)
+    prefill_len = args.prefill_len or (128 if args.quick else 512)
     batches = [int(b) for b in args.batches.split(",")]
     llm_args = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(prefill_len, max(batches) * plen),
-                    max_model_len=max(prefill_len, plen + new) + 16)
+                    max_model_len=max(prefill_len, plen + new) + 16, weight_dtype=args.weight_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
             llm, hf, label = _sides(args, tmp, llm_args)
@@ -141,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers"}
     scaling = speed[("kvstate", "decode", max(batches))] / speed[("kvstate", "decode", min(batches))]
-    result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})",
+    wdtype = str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
+    result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
                   prompt_tokens=plen, new_tokens=new, weight_bytes=wbytes,
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
                                threads=torch.get_num_threads()),
@@ -149,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    console.print(f"{result['model']}; prompts {plen} tokens, {new} new; fp32, {torch.get_num_threads()} threads; "
+    console.print(f"{result['model']}; prompts {plen} tokens, {new} new; weights {wdtype}, "
+                  f"activations fp32, {torch.get_num_threads()} threads; "
                   f"machine: bandwidth {limits.bandwidth / 1e9:.1f} GB/s, fp32 GEMM {limits.gemm_flops / 1e9:.1f} "
                   f"GFLOP/s", soft_wrap=True)
     table = Table(title="kvstate bench engine")

@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstate.commands.generate import add_weight_dtype
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and a short prompt (seconds)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 2048; quick 256)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per side (best is reported)")
+    add_weight_dtype(parser)  # kvstate's weight matrices; transformers stays fp32
 
 
 def prefill_flops(plan, t: int, chunk: int = 64) -> float:
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     t = args.prompt_len or (256 if args.quick else 2048)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp, console.status("building checkpoint"):
         path, hf = qwen3_5_checkpoint(size, tmp)
-        model, plan = load_model(path)
+        model, plan = load_model(path, weight_dtype=args.weight_dtype)
     ids = torch.randint(0, plan.vocab_size, (t,), generator=torch.Generator().manual_seed(0))
     caches = contiguous_caches(model, 1, t)
     batch = Batch.build([t], [0], [0], [[0]], t)
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    console.print(f"{result['model']}, prefill {t} tokens, fp32, {torch.get_num_threads()} threads; machine: fp32 GEMM "
+    console.print(f"{result['model']}, prefill {t} tokens, weights "
+                  f"{str(model.lm_head.weight.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; machine: fp32 GEMM "
                   f"{limits.gemm_flops / 1e9:.1f} GFLOP/s, bandwidth {limits.bandwidth / 1e9:.1f} GB/s")
     table = Table(title="kvstate bench model: prefill")
     for col in ("impl", "s", "tokens/s", "GFLOP/s", "% GEMM"):

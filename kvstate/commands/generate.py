@@ -26,6 +26,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def weight_dtype_arg(text: str) -> str:
+    """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, as its canonical name."""
+    from kvstate.config.dtypes import canonical_dtype
+
+    name = canonical_dtype(text)
+    if name not in ("bfloat16", "float32"):
+        raise argparse.ArgumentTypeError(f"expected bf16 or fp32 (or bfloat16, float32), got {text!r}")
+    return name
+
+
+def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weight-dtype", type=weight_dtype_arg, default=None, metavar="DTYPE",
+                        help="keep the weight matrices in bf16 or fp32; math stays fp32 (default: the checkpoint's)")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+",
                         help="prompt text; several prompts run as one batch; - reads a prompt from stdin")
@@ -66,6 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + output in tokens, at most the model's (default: the model's "
                              "max_position_embeddings)")
+    add_weight_dtype(parser)
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
     spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
                       help="draft K tokens per step by prompt lookup (the continuation of the last n-gram's "
@@ -132,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_checkpoint(args.model)  # a hub id -> its snapshot dir (weights and tokenizer)
     with load_progress(console, enabled=not args.json) as progress:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
-                  load_progress=progress, speculative_config=speculative_config(args))
+                  load_progress=progress, speculative_config=speculative_config(args),
+                  weight_dtype=args.weight_dtype)
     if args.chat:
         if llm.tokenizer is None:
             raise KvstateError(f"{args.model}: --chat needs a tokenizer.json")

@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from kvstate.commands.generate import add_weight_dtype
 from kvstate.errors import KvstateError
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -55,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="most tokens computed in one engine step (default: 2048)")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
+    add_weight_dtype(parser)  # --weight-dtype, as generate takes it
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: warning)")
 
@@ -125,7 +127,7 @@ def _app(args: argparse.Namespace, model):
     with load_progress(make_console(stderr=True)) as progress:
         llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  seed=args.seed, load_progress=progress)
+                  seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype)
     if args.served_model_name:
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given

@@ -31,15 +31,16 @@ class LLM:
                  conv_window: str = "kernel", seed: int | None = None, load_progress=None,
                  enable_prefix_caching: bool = False, snapshot_interval: int | None = 512,
                  prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, weight_dtype: str | None = None):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
-        (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru")."""
+        (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru").
+        `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices."""
         from kvstate.hub import resolve_checkpoint
         from kvstate.models.loader import load_model
 
         path = resolve_checkpoint(model)
-        module, plan = load_model(path, progress=load_progress)
+        module, plan = load_model(path, progress=load_progress, weight_dtype=weight_dtype)
         tokenizer = None
         if (path / "tokenizer.json").exists():
             from kvstate.models.tokenizer import Tokenizer

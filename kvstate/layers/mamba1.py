@@ -12,9 +12,9 @@ the layer's state slots.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels import linear
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_selective_scan, recurrent_selective_scan
@@ -57,7 +57,7 @@ class Mamba1(nn.Module):
         dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.dt_layernorm is not None:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        delta = F.linear(dt, self.dt_proj.weight)  # [T, d_inner]; the bias goes to the scan as delta_bias
+        delta = linear(dt, self.dt_proj.weight)  # [T, d_inner]; the bias goes to the scan as delta_bias
         y = recur(OPS, cache.state, batch, dict(u=u, delta=delta, B=B, C=C, z=z), A=-self.A_log.float().exp(),
                   D=self.D.float(), delta_bias=self.dt_proj.bias.float(), delta_softplus=True)  # [T, d_inner]
         return self.out_proj(y)

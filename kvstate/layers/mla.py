@@ -65,6 +65,7 @@ class MLA(nn.Module):
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, R] and W_UV [H, v, R]: the per-head row blocks of kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w = w.to(self.kv_a_layernorm.weight.dtype)  # bf16-stored weights widen exactly for the bmm
         return w[:, : self.nope], w[:, self.nope :]
 
     def _absorbed(self, q: torch.Tensor, latent: torch.Tensor, batch) -> torch.Tensor:

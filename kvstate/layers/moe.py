@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels import linear
 from kvstate.layers.mlp import MLP, GatedMLP, activation
 
 
@@ -77,13 +78,13 @@ class Experts(nn.Module):
             sel = order[start : start + n]
             tokens = token_of[start : start + n]
             start += n
-            h = F.linear(x[tokens], self.gate_up[e])
+            h = linear(x[tokens], self.gate_up[e])  # the decode kernel for few tokens, bf16 weights widened
             if self.gated:
                 g, u = h.chunk(2, dim=-1)
                 h = self.act(g) * u
             else:
                 h = self.act(h)
-            y = F.linear(h, self.down[e]) * weights.flatten()[sel, None]
+            y = linear(h, self.down[e]) * weights.flatten()[sel, None]
             out.index_add_(0, tokens, y.float())
         return out.to(x.dtype)
 

@@ -4,7 +4,9 @@ Each mixer spec class maps to one layer class (`MIXERS`) with a `from_spec(spec,
 options)` constructor; each FFN kind to the MLP or MoE modules. The model keeps its plan: its
 cache pools are allocated from the plan's cache spec (`kvstate.cache`), never from the layers.
 The modules are created on the meta device (no time spent on random init); the loader then
-materializes and fills them.
+materializes and fills them. Every projection is a `kvstate.kernels.Linear` (the decode kernels
+for few rows, torch's GEMM otherwise); `set_weight_dtype` stores the projection, expert and
+embedding matrices in bf16 (math stays fp32), everything small (norms, convs, A_log) in fp32.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvstate.config.plan import (
     ModelPlan,
 )
 from kvstate.errors import KvstateError
+from kvstate.kernels import Linear
 from kvstate.layers.attention import Attention
 from kvstate.layers.gated_deltanet import GatedDeltaNet
 from kvstate.layers.kda import KimiDeltaAttention
@@ -80,5 +83,49 @@ def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.devi
                 spec = layer.mixers[0]
                 mixer = mixer_class(spec).from_spec(spec, plan.hidden_size, opts)
             blocks.append(Block(mixer, build_ffn(layer.ffn, plan.hidden_size, opts), norm))
-        return HybridDecoder(plan.vocab_size, plan.hidden_size, blocks, norm,
-                             tie_word_embeddings=plan.tie_word_embeddings, plan=plan)
+        model = HybridDecoder(plan.vocab_size, plan.hidden_size, blocks, norm,
+                              tie_word_embeddings=plan.tie_word_embeddings, plan=plan)
+    return use_kernel_linears(model)
+
+
+def use_kernel_linears(model: nn.Module) -> nn.Module:
+    """Every nn.Linear of `model` becomes a kernels.Linear sharing its parameters (tied ones stay tied)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Linear.from_linear(child))
+    return model
+
+
+# The big matrices a decode step streams, besides every kernels.Linear weight: (module type, parameter).
+def _matrices(model: nn.Module):
+    from kvstate.layers.moe import Experts
+
+    seen: set[int] = set()
+    for module in model.modules():
+        names = ("weight",) if isinstance(module, (Linear, nn.Embedding)) else ()
+        if isinstance(module, Experts):
+            names = ("gate_up", "down")
+        for name in names:
+            param = getattr(module, name)
+            if id(param) not in seen:  # a tied head and embedding are one tensor
+                seen.add(id(param))
+                yield module, name, param
+
+
+def set_weight_dtype(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
+    """Store the projection, expert and embedding matrices in `weight_dtype` (float32 or bfloat16;
+    the kernels widen bf16 exactly, math stays fp32). Tied tensors stay one tensor."""
+    if weight_dtype not in (torch.float32, torch.bfloat16):
+        raise KvstateError(f"weight dtype {weight_dtype} is not supported (use float32 or bfloat16)")
+    converted: dict[int, nn.Parameter] = {}
+    for module, name, param in list(_matrices(model)):
+        if param.dtype == weight_dtype:
+            continue
+        new = nn.Parameter(param.detach().to(weight_dtype), requires_grad=param.requires_grad)
+        converted[id(param)] = new
+    for module in model.modules():  # every holder of a converted tensor (tied head and embedding)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) in converted:
+                setattr(module, name, converted[id(param)])
+    return model

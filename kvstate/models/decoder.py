@@ -55,7 +55,7 @@ class HybridDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch, caches: list) -> torch.Tensor:
         """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices only
         (the last token of each sampled entry): mid-prefill rows never reach the LM head."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a bf16-stored table widens exactly
         for block, cache in zip(self.layers, caches):
             x = block(x, batch, cache)
         x = self.norm(x.index_select(0, batch.logits_indices))  # [M, hidden]

@@ -3,7 +3,9 @@
 The family adapter translates the config into the layer plan and model options, and each
 checkpoint tensor name into targets in our parameters. Every parameter must be filled
 completely and every tensor must have a home: otherwise a KvstateError names what is wrong.
-On CPU weights are float32 (bf16 checkpoints are upcast at load).
+Activations, states and small weights are float32. The projection, expert and embedding
+matrices are stored in `weight_dtype`: by default bf16 when the checkpoint's matrices are bf16
+(copied as they are, no fp32 copy), float32 otherwise; the kernels widen bf16 exactly.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import torch
 from safetensors import safe_open
 
 from kvstate.config import read_plan
+from kvstate.config.dtypes import canonical_dtype
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.hub import resolve_checkpoint
-from kvstate.models.build import build_model
+from kvstate.models.build import build_model, set_weight_dtype
+
+WEIGHT_DTYPES = ("float32", "bfloat16")  # canonical names load_model's weight_dtype accepts
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -49,27 +54,61 @@ def family_of(plan):
     return family
 
 
+def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A weight dtype from any spelling `kvstate memory` takes ("bf16", "float32", torch.bfloat16),
+    None for None (the checkpoint's); anything else is one KvstateError."""
+    if name is None or isinstance(name, torch.dtype):
+        canonical = None if name is None else str(name).removeprefix("torch.")
+    else:
+        canonical = canonical_dtype(name)
+    if name is not None and canonical not in WEIGHT_DTYPES:
+        raise KvstateError(f"weight dtype {name!r}: expected bf16 or fp32 (or bfloat16, float32)")
+    return None if canonical is None else getattr(torch, canonical)
+
+
+def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
+    """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32."""
+    sizes = {"BF16": 0, "other": 0}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    shape = part.get_shape()
+                    if len(shape) >= 2:
+                        kind = "BF16" if part.get_dtype() == "BF16" else "other"
+                        sizes[kind] += int(torch.tensor(shape).prod())
+        except Exception:  # a broken file is reported by the load itself, naming it
+            return torch.float32
+    return torch.bfloat16 if sizes["BF16"] > sizes["other"] else torch.float32
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None):
+               progress: Callable[[int, int], None] | None = None, weight_dtype=None):
     """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub).
 
-    `progress(bytes_done, bytes_total)`, if given, is called as tensors load (for a progress bar)."""
+    `progress(bytes_done, bytes_total)`, if given, is called as tensors load (for a progress bar).
+    `weight_dtype` ("bf16", "fp32", a torch dtype; None: the checkpoint's) stores the big matrices
+    (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`."""
     path = resolve_checkpoint(path)
     if not path.is_dir():
         raise KvstateError(f"{path}: not a checkpoint directory")
     plan = read_plan(path)
     family = family_of(plan)
     opts = family.model_options(ConfigView(plan.config, plan.source))
+    files = safetensors_files(path)
+    wanted = weight_dtype_of(weight_dtype)
     model = build_model(plan, opts, device="meta")
+    model.to(dtype)  # on meta: nothing is allocated yet
+    if dtype == torch.float32:
+        set_weight_dtype(model, wanted or checkpoint_weight_dtype(files))
     model.to_empty(device="cpu")
-    model.to(dtype)
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     params.update(model.named_buffers())
     filled = {name: 0 for name in params}
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
-    files = safetensors_files(path)
     total, done = sum(f.stat().st_size for f in files), 0
     for file in files:
         for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type):

@@ -64,7 +64,7 @@ def test_bf16_checkpoint_is_upcast_to_fp32(tmp_path):
 
     hf = _tiny_llama(1)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
-    model, _ = load_model(tmp_path)
+    model, _ = load_model(tmp_path, weight_dtype="fp32")  # the default keeps bf16 (tests/models/test_weight_dtype.py)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     ours = model.layers[1].ffn.down_proj.weight
     assert torch.equal(ours, hf.model.layers[1].mlp.down_proj.weight.float())  # bf16 values, exactly upcast
