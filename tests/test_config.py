@@ -44,7 +44,8 @@ def test_qwen3_5_0_8b_plan():
     plan = read_plan("qwen3.5-0.8b")
     assert plan.layer_string == "GGGA" * 6
     assert [i for i, _ in plan.mixers("attention")] == [3, 7, 11, 15, 19, 23]
-    assert plan.layers[3].mixers == (AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=256, output_gate=True),)
+    assert plan.layers[3].mixers == (AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=256, output_gate=True,
+                                                   qk_norm=True),)
     assert plan.layers[0].mixers == (GatedDeltaNetSpec(16, 16, 128, 128, 4),)
     assert (plan.model_type, plan.hidden_size, plan.vocab_size, plan.num_layers) == ("qwen3_5", 1024, 248320, 24)
     assert (plan.dtype, plan.state_dtype, plan.max_position_embeddings) == ("bfloat16", "float32", 262144)

@@ -6,7 +6,9 @@ Each kind is a small frozen dataclass and is the one source of what follows from
 - `conv_shape(window)`: the short-conv window per request, `window` "kernel" (W columns, what
   transformers allocates) or "kernel-1" (the W-1 columns a step really reads, as vLLM keeps);
 - `params(hidden)`: the mixer's weights as transformers builds them (projections, convs, per-head
-  vectors, inner norms; the block's own norms and family extras are counted by the plan).
+  vectors, inner norms, biases; the block's own norms are counted by `kvstate.config.params`).
+A family's weight facts (q/k norms, biases, Jamba's inner norms, ...) are fields of its kind, set
+by the family adapter, so the count needs no per-family correction.
 The cache spec (`kvstate.cache.spec`), the pools, the layers (`from_spec`) and the parameter
 estimate (`kvstate.config.params`) all read these; none derives them again.
 """
@@ -45,13 +47,18 @@ class AttentionSpec(_Mixer):
     num_kv_heads: int
     head_dim: int
     output_gate: bool = False  # Qwen's gated attention: q_proj is twice as wide (half is the gate)
+    qk_norm: bool = False  # per-head RMSNorm weights on q and k (Qwen3, Qwen3.5, Qwen3-Next, LFM2)
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj (Qwen2; attention_bias elsewhere)
+    o_bias: bool = False  # a bias on o_proj (attention_bias, except in Qwen2)
 
     def kv_shape(self) -> tuple[int, ...]:
         return (2, self.num_kv_heads, self.head_dim)  # K and V
 
     def params(self, hidden: int) -> int:
         q = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
-        return hidden * (q + 2 * self.num_kv_heads * self.head_dim) + self.num_heads * self.head_dim * hidden
+        qkv = q + 2 * self.num_kv_heads * self.head_dim  # q_proj, k_proj, v_proj output widths
+        weights = hidden * qkv + self.num_heads * self.head_dim * hidden
+        return (weights + 2 * self.head_dim * self.qk_norm + qkv * self.qkv_bias + hidden * self.o_bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,7 @@ class MLASpec(_Mixer):
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None  # None: q_proj maps hidden -> heads directly (Kimi Linear)
+    bias: bool = False  # attention_bias: q_a_proj (if any), kv_a_proj_with_mqa and o_proj carry biases
 
     def kv_shape(self) -> tuple[int, ...]:
         return (self.kv_lora_rank + self.qk_rope_head_dim,)  # one latent, no separate V
@@ -78,7 +86,8 @@ class MLASpec(_Mixer):
             q = hidden * self.num_heads * qk
         kv_a = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # + kv_a_layernorm
         kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv_a + kv_b + self.num_heads * self.v_head_dim * hidden
+        biases = (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim + hidden
+        return q + kv_a + kv_b + self.num_heads * self.v_head_dim * hidden + biases * self.bias
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +151,10 @@ class Mamba2Spec(_Mixer):
     d_state: int
     n_groups: int
     conv_kernel: int
+    in_proj_bias: bool = False  # use_bias / mamba_proj_bias
+    out_proj_bias: bool = False  # use_bias (Falcon-H1: projectors_bias)
+    conv_bias: bool = True  # use_conv_bias / mamba_conv_bias
+    gated_norm: bool = True  # the gated RMSNorm before out_proj (Falcon-H1 only with mamba_rms_norm)
 
     @property
     def d_inner(self) -> int:
@@ -155,9 +168,11 @@ class Mamba2Spec(_Mixer):
         return (self.num_heads, self.d_state, self.head_dim)
 
     def params(self, hidden: int) -> int:
-        in_proj = hidden * (2 * self.d_inner + 2 * self.n_groups * self.d_state + self.num_heads)  # z, x, B, C, dt
-        conv = self.conv_dim * (self.conv_kernel + 1)  # weight + bias
-        return in_proj + conv + 3 * self.num_heads + self.d_inner + self.d_inner * hidden  # dt_bias, A, D, norm
+        projected = self.d_inner + self.conv_dim + self.num_heads  # in_proj outputs: z, x B C, dt
+        in_proj = (hidden + self.in_proj_bias) * projected
+        conv = self.conv_dim * (self.conv_kernel + self.conv_bias)
+        out_proj = self.d_inner * hidden + hidden * self.out_proj_bias
+        return in_proj + conv + 3 * self.num_heads + self.d_inner * self.gated_norm + out_proj  # dt_bias, A, D
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +185,9 @@ class Mamba1Spec(_Mixer):
     d_state: int
     conv_kernel: int
     dt_rank: int
+    conv_bias: bool = True  # mamba_conv_bias
+    proj_bias: bool = False  # mamba_proj_bias: in_proj and out_proj
+    inner_norms: bool = True  # Jamba's RMSNorms on dt, B and C (plain Mamba-1 has none)
 
     @property
     def conv_dim(self) -> int:
@@ -180,9 +198,11 @@ class Mamba1Spec(_Mixer):
 
     def params(self, hidden: int) -> int:
         d, n, r = self.d_inner, self.d_state, self.dt_rank
-        in_proj, conv = hidden * 2 * d, d * (self.conv_kernel + 1)
-        x_proj, dt_proj = d * (r + 2 * n), r * d + d
-        return in_proj + conv + x_proj + dt_proj + d * n + d + d * hidden  # + A_log, D, out_proj
+        in_proj, conv = (hidden + self.proj_bias) * 2 * d, d * (self.conv_kernel + self.conv_bias)
+        x_proj, dt_proj = d * (r + 2 * n), r * d + d  # dt_proj always has its bias
+        out_proj = d * hidden + hidden * self.proj_bias
+        norms = (r + 2 * n) * self.inner_norms
+        return in_proj + conv + x_proj + dt_proj + d * n + d + out_proj + norms  # A_log, D
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +213,7 @@ class ShortConvSpec(_Mixer):
     letter: ClassVar[str] = "C"
     dim: int
     kernel: int
+    bias: bool = False  # conv_bias: the conv, in_proj and out_proj carry biases
 
     @property
     def conv_dim(self) -> int:
@@ -203,7 +224,8 @@ class ShortConvSpec(_Mixer):
         return self.kernel
 
     def params(self, hidden: int) -> int:
-        return hidden * 3 * self.dim + self.dim * self.kernel + self.dim * hidden  # in_proj (B, C, x), conv, out_proj
+        weights = hidden * 3 * self.dim + self.dim * self.kernel + self.dim * hidden  # in_proj (B, C, x), conv, out_proj
+        return weights + (3 * self.dim + self.dim + hidden) * self.bias
 
 
 MixerSpec = Union[AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec, ShortConvSpec]

@@ -49,10 +49,29 @@ class FfnSpec:
     expert_intermediate_size: int = 0
     shared_intermediate_size: int = 0  # total width of the always-on shared expert(s), 0 if none
     latent_size: int = 0  # routed experts work in this width between two projections (Nemotron), 0: hidden
+    shared_expert_gate: bool = False  # the shared expert's output is scaled by sigmoid(hidden -> 1 linear) (Qwen)
+    bias: bool = False  # mlp_bias: the dense MLP, shared expert and latent projections (never routed experts)
 
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "moe", "none"):
             raise ValueError(f"FfnSpec.kind must be 'mlp', 'moe' or 'none', got {self.kind!r}")
+
+    def params(self, hidden: int) -> tuple[int, int]:
+        """(dense MLP weights, MoE weights: routed experts + router + shared expert and its gate)."""
+        mats = 3 if self.gated else 2
+
+        def mlp(width: int) -> int:  # gate (if gated), up, down; biases of width, width and hidden
+            return mats * hidden * width + ((mats - 1) * width + hidden) * (self.bias and width > 0)
+
+        if self.kind == "mlp":
+            return mlp(self.intermediate_size), 0
+        if self.kind == "moe":
+            width = self.latent_size or hidden  # latent MoE: experts between hidden -> latent -> hidden projections
+            experts = self.num_experts * mats * width * self.expert_intermediate_size
+            latent = (2 * hidden * self.latent_size + (self.latent_size + hidden) * self.bias) if self.latent_size else 0
+            router = hidden * self.num_experts
+            return 0, experts + latent + router + mlp(self.shared_intermediate_size) + hidden * self.shared_expert_gate
+        return 0, 0
 
 
 FFN_NONE = FfnSpec("none")

@@ -35,9 +35,11 @@ def layer_words(cfg: ConfigView, names: tuple[str, ...], allowed: set[str]) -> l
     return words
 
 
-def attention(cfg: ConfigView, output_gate: bool = False, head_dim_keys: tuple[str, ...] = ("head_dim",)) -> AttentionSpec:
+def attention(cfg: ConfigView, output_gate: bool = False, head_dim_keys: tuple[str, ...] = ("head_dim",), *,
+              qk_norm: bool = False, qkv_bias: bool = False, o_bias: bool = False) -> AttentionSpec:
     """Standard attention fields; num_key_value_heads defaults to the head count (MHA) and
-    head_dim to hidden_size / num_attention_heads, as in transformers."""
+    head_dim to hidden_size / num_attention_heads, as in transformers. The family says which
+    norms and biases its attention has (`attention_bias(cfg)` where the config decides)."""
     heads = cfg.int("num_attention_heads")
     kv_heads = cfg.int("num_key_value_heads", default=heads)
     head_dim = cfg.int(*head_dim_keys, default=None)  # given, or transformers' default (Qwen3-Next: 256)
@@ -49,11 +51,16 @@ def attention(cfg: ConfigView, output_gate: bool = False, head_dim_keys: tuple[s
         head_dim = hidden // heads
     if heads % kv_heads:
         raise cfg.error("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads {heads}")
-    return AttentionSpec(heads, kv_heads, head_dim, output_gate)
+    return AttentionSpec(heads, kv_heads, head_dim, output_gate, qk_norm=qk_norm, qkv_bias=qkv_bias, o_bias=o_bias)
 
 
-def mlp(cfg: ConfigView, *names: str, gated: bool = True) -> FfnSpec:
-    return FfnSpec("mlp", intermediate_size=cfg.int(*(names or ("intermediate_size",))), gated=gated)
+def attention_bias(cfg: ConfigView) -> bool:
+    """`attention_bias` (default false): biases on q, k, v and o projections where a family honours it."""
+    return cfg.bool("attention_bias", default=False)
+
+
+def mlp(cfg: ConfigView, *names: str, gated: bool = True, bias: bool = False) -> FfnSpec:
+    return FfnSpec("mlp", intermediate_size=cfg.int(*(names or ("intermediate_size",))), gated=gated, bias=bias)
 
 
 def moe(cfg: ConfigView, experts: tuple[str, ...], top_k: tuple[str, ...], width: tuple[str, ...],
@@ -63,9 +70,8 @@ def moe(cfg: ConfigView, experts: tuple[str, ...], top_k: tuple[str, ...], width
 
 
 def build_plan(cfg: ConfigView, name: str, model_type: str, layers: list[LayerSpec], *,
-               max_position: tuple[str, ...] = ("max_position_embeddings",), tie_default: bool = False,
-               extra_attention: int = 0, extra_linear: int = 0, extra_moe: int = 0) -> ModelPlan:
-    """The fields every family shares, then the parameter estimate."""
+               max_position: tuple[str, ...] = ("max_position_embeddings",), tie_default: bool = False) -> ModelPlan:
+    """The fields every family shares, then the parameter estimate (from the layer specs alone)."""
     hidden, vocab = cfg.int("hidden_size"), cfg.int("vocab_size")
     tied = cfg.bool("tie_word_embeddings", "tie_embedding", default=tie_default)
     layers_t = tuple(layers)
@@ -80,7 +86,7 @@ def build_plan(cfg: ConfigView, name: str, model_type: str, layers: list[LayerSp
         dtype=cfg.dtype("dtype", "torch_dtype", default="bfloat16"),
         state_dtype=cfg.dtype("mamba_ssm_dtype", "mamba_ssm_cache_dtype", default="float32"),
         tie_word_embeddings=tied,
-        params=estimate_params(layers_t, hidden, vocab, tied, extra_attention, extra_linear, extra_moe),
+        params=estimate_params(layers_t, hidden, vocab, tied),
         layers=layers_t,
         source=cfg.source,
         config=dict(cfg.data),

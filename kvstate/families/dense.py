@@ -8,8 +8,8 @@ FFN to experts (except `mlp_only_layers` and layers off `decoder_sparse_step`). 
 from __future__ import annotations
 
 from kvstate.config.fields import ConfigView
-from kvstate.config.plan import FfnSpec, LayerSpec, ModelPlan
-from kvstate.families._common import attention, build_plan, mlp
+from kvstate.config.plan import AttentionSpec, FfnSpec, LayerSpec, ModelPlan
+from kvstate.families._common import attention, attention_bias, build_plan, mlp
 from kvstate.config.options import ModelOptions
 from kvstate.families._options import eps, rope
 from kvstate.families._weights import Target, common_targets
@@ -18,36 +18,38 @@ DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 MODEL_TYPES = DENSE + MOE
 _QK_NORM = ("qwen3", "qwen3_moe")  # per-head q_norm / k_norm
-_QKV_BIAS = ("qwen2", "qwen2_moe")  # q, k, v projections always have biases
+_ATTENTION_BIAS = ("llama", "qwen3", "gemma", "granite", "qwen3_moe")  # honour attention_bias (q, k, v, o)
+_MLP_BIAS = ("llama", "granite")  # honour mlp_bias
 
 
-def _moe(cfg: ConfigView) -> FfnSpec:
+def _moe(cfg: ConfigView, model_type: str) -> FfnSpec:
     shared = cfg.int("shared_expert_intermediate_size", default=0, minimum=0)
     return FfnSpec("moe", num_experts=cfg.int("num_local_experts", "num_experts"),
                    experts_per_token=cfg.int("num_experts_per_tok"),
                    expert_intermediate_size=cfg.int("moe_intermediate_size", "intermediate_size"),
-                   shared_intermediate_size=shared)
+                   shared_intermediate_size=shared, shared_expert_gate=model_type == "qwen2_moe")
+
+
+def _attention(cfg: ConfigView, model_type: str) -> AttentionSpec:
+    """Biases as transformers builds them: Qwen2 always on q/k/v (Qwen2-MoE: `qkv_bias`), never on o."""
+    if model_type in ("qwen2", "qwen2_moe"):
+        qkv = model_type == "qwen2" or cfg.bool("qkv_bias", default=True)
+        return attention(cfg, qkv_bias=qkv)
+    bias = model_type in _ATTENTION_BIAS and attention_bias(cfg)
+    return attention(cfg, qk_norm=model_type in _QK_NORM, qkv_bias=bias, o_bias=bias)
 
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:
     model_type = cfg.str("model_type")
-    attn = attention(cfg)
+    attn = _attention(cfg, model_type)
     n = cfg.int("num_hidden_layers")
-    sparse = _moe(cfg) if model_type in MOE else None
+    sparse = _moe(cfg, model_type) if model_type in MOE else None
     dense_only = set(cfg.int_list("mlp_only_layers")) if sparse and cfg.has("mlp_only_layers") else set()
     step = cfg.int("decoder_sparse_step", default=1)
+    dense = mlp(cfg, bias=model_type in _MLP_BIAS and cfg.bool("mlp_bias", default=False))
     layers = [LayerSpec(i, (attn,), sparse if sparse and i not in dense_only and (i + 1) % step == 0
-                        else mlp(cfg)) for i in range(n)]
-    qkv = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
-    extra = 2 * attn.head_dim if model_type in _QK_NORM else 0
-    if model_type in _QKV_BIAS:
-        extra += qkv
-    elif cfg.bool("attention_bias", default=False):
-        extra += qkv + cfg.int("hidden_size")  # o_proj bias too
-    n_moe = sum(layer.ffn.kind == "moe" for layer in layers)
-    shared_gate = n_moe * cfg.int("hidden_size") if model_type == "qwen2_moe" else 0
-    return build_plan(cfg, name, model_type, layers, extra_attention=n * extra, extra_moe=shared_gate,
-                      tie_default=model_type in ("gemma",))
+                        else dense) for i in range(n)]
+    return build_plan(cfg, name, model_type, layers, tie_default=model_type in ("gemma",))
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvstate.config.fields import ConfigView
 from kvstate.config.plan import LayerSpec, Mamba2Spec, ModelPlan
-from kvstate.families._common import attention, build_plan, mlp
+from kvstate.families._common import attention, attention_bias, build_plan, mlp
 
 MODEL_TYPES = ("falcon_h1",)
 
@@ -31,11 +31,13 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     hidden = cfg.int("hidden_size")
     d_inner = cfg.int("mamba_d_ssm") if cfg.has("mamba_d_ssm") else cfg.int("mamba_expand") * hidden
     heads, head_dim = mamba_heads(cfg, d_inner)
-    mamba = Mamba2Spec(heads, head_dim, cfg.int("mamba_d_state"), cfg.int("mamba_n_groups"), cfg.int("mamba_d_conv"))
-    mixers = (attention(cfg), mamba)
-    ffn = mlp(cfg)
-    n = cfg.int("num_hidden_layers")
-    layers = [LayerSpec(i, mixers, ffn) for i in range(n)]
-    # the Mamba output RMSNorm exists only with mamba_rms_norm (default false)
-    no_norm = 0 if cfg.bool("mamba_rms_norm", default=False) else n * mamba.d_inner
-    return build_plan(cfg, name, "falcon_h1", layers, extra_linear=-no_norm)
+    mamba = Mamba2Spec(heads, head_dim, cfg.int("mamba_d_state"), cfg.int("mamba_n_groups"), cfg.int("mamba_d_conv"),
+                       in_proj_bias=cfg.bool("mamba_proj_bias", default=False),
+                       out_proj_bias=cfg.bool("projectors_bias", default=False),
+                       conv_bias=cfg.bool("mamba_conv_bias", default=True),
+                       gated_norm=cfg.bool("mamba_rms_norm", default=False))  # the output norm is optional here
+    bias = attention_bias(cfg)
+    mixers = (attention(cfg, qkv_bias=bias, o_bias=bias), mamba)
+    ffn = mlp(cfg, bias=cfg.bool("mlp_bias", default=False))
+    layers = [LayerSpec(i, mixers, ffn) for i in range(cfg.int("num_hidden_layers"))]
+    return build_plan(cfg, name, "falcon_h1", layers)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvstate.config.fields import ConfigView
 from kvstate.config.plan import FfnSpec, LayerSpec, Mamba2Spec, ModelPlan
-from kvstate.families._common import attention, build_plan, layer_words
+from kvstate.families._common import attention, attention_bias, build_plan, layer_words
 from kvstate.families.falcon_h1 import mamba_heads
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -22,8 +22,12 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     else:  # transformers' default: all Mamba
         words = ["linear"] * cfg.int("num_hidden_layers")
     heads, head_dim = mamba_heads(cfg, cfg.int("mamba_expand") * cfg.int("hidden_size"))
-    mamba = Mamba2Spec(heads, head_dim, cfg.int("mamba_d_state"), cfg.int("mamba_n_groups"), cfg.int("mamba_d_conv"))
-    attn = attention(cfg)
+    proj_bias = cfg.bool("mamba_proj_bias", default=False)  # in_proj and out_proj
+    mamba = Mamba2Spec(heads, head_dim, cfg.int("mamba_d_state"), cfg.int("mamba_n_groups"), cfg.int("mamba_d_conv"),
+                       in_proj_bias=proj_bias, out_proj_bias=proj_bias,
+                       conv_bias=cfg.bool("mamba_conv_bias", default=True))
+    bias = attention_bias(cfg)
+    attn = attention(cfg, qkv_bias=bias, o_bias=bias)
     shared = cfg.int("shared_intermediate_size")
     experts = cfg.int("num_local_experts", default=0, minimum=0)
     if experts:

@@ -37,6 +37,9 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
         d_state=d_state,
         conv_kernel=cfg.int("mamba_d_conv"),
         dt_rank=math.ceil(hidden / 16) if dt_rank == "auto" else cfg.int("mamba_dt_rank"),
+        conv_bias=cfg.bool("mamba_conv_bias", default=True),
+        proj_bias=cfg.bool("mamba_proj_bias", default=False),
+        inner_norms=True,  # dt/B/C RMSNorms inside each Jamba Mamba mixer
     )
     attn = attention(cfg)
     dense = mlp(cfg)
@@ -46,9 +49,7 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
                   sparse if i % exp_period == exp_offset and sparse.num_experts > 1 else dense)
         for i in range(n)
     ]
-    n_mamba = sum(layer.mixers[0] is mamba for layer in layers)
-    # dt/B/C RMSNorms inside each Jamba Mamba mixer
-    return build_plan(cfg, name, "jamba", layers, extra_linear=n_mamba * (mamba.dt_rank + 2 * d_state))
+    return build_plan(cfg, name, "jamba", layers)
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

@@ -76,6 +76,7 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
         qk_rope_head_dim=cfg.int("qk_rope_head_dim"),
         v_head_dim=cfg.int("v_head_dim"),
         q_lora_rank=cfg.int("q_lora_rank", default=None),
+        bias=cfg.bool("attention_bias", default=False),
     )
     kda = _kda(cfg)
     sparse_layers = _sparse(cfg)

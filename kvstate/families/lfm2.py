@@ -40,9 +40,8 @@ def _ffn_width(cfg: ConfigView) -> int:
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:
     words = _words(cfg)
-    attn = attention(cfg)
-    conv = ShortConvSpec(cfg.int("hidden_size"), cfg.int("conv_L_cache"))
+    attn = attention(cfg, qk_norm=True)  # q_layernorm / k_layernorm, no biases
+    conv = ShortConvSpec(cfg.int("hidden_size"), cfg.int("conv_L_cache"), bias=cfg.bool("conv_bias", default=False))
     ffn = FfnSpec("mlp", intermediate_size=_ffn_width(cfg))
     layers = [LayerSpec(i, (attn if w == "full" else conv,), ffn) for i, w in enumerate(words)]
-    return build_plan(cfg, name, "lfm2", layers, tie_default=True,
-                      extra_attention=words.count("full") * 2 * attn.head_dim)  # q/k layernorms
+    return build_plan(cfg, name, "lfm2", layers, tie_default=True)

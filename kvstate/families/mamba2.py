@@ -27,23 +27,21 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
         d_state=cfg.int("state_size"),
         n_groups=cfg.int("n_groups"),
         conv_kernel=cfg.int("conv_kernel"),
+        **mamba2_biases(cfg),
     )
     if cfg.has("expand") and cfg.int("expand") * cfg.int("hidden_size") != spec.d_inner:
         raise cfg.error(("num_heads", "head_dim"), f"num_heads x head_dim = {spec.d_inner} but expand x "
                         f"hidden_size = {cfg.int('expand') * cfg.int('hidden_size')}")
     layers = [LayerSpec(i, (spec,), FFN_NONE) for i in range(cfg.int("num_hidden_layers"))]
-    return build_plan(cfg, name, "mamba2", layers, extra_linear=len(layers) * bias_params(cfg, spec))
+    return build_plan(cfg, name, "mamba2", layers)
 
 
-def bias_params(cfg: ConfigView, spec: Mamba2Spec) -> int:
-    """Per Mamba-2 layer, the biases the parameter estimate leaves out (in_proj / out_proj with
-    use_bias) or counts in vain (the conv bias without use_conv_bias)."""
-    extra = 0
-    if cfg.bool("use_bias", default=False):
-        extra += spec.d_inner + spec.conv_dim + spec.num_heads + cfg.int("hidden_size")
-    if not cfg.bool("use_conv_bias", "mamba_conv_bias", default=True):
-        extra -= spec.conv_dim
-    return extra
+def mamba2_biases(cfg: ConfigView) -> dict[str, bool]:
+    """Mamba2Spec's bias flags as Mamba2 / Nemotron-H configs spell them: use_bias (in_proj and
+    out_proj), use_conv_bias (the conv)."""
+    bias = cfg.bool("use_bias", default=False)
+    return {"in_proj_bias": bias, "out_proj_bias": bias,
+            "conv_bias": cfg.bool("use_conv_bias", "mamba_conv_bias", default=True)}
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

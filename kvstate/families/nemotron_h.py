@@ -22,7 +22,7 @@ from kvstate.config.plan import FFN_NONE, FfnSpec, LayerSpec, Mamba2Spec, ModelP
 from kvstate.families._common import attention, build_plan, layer_words, mlp
 from kvstate.families._options import eps
 from kvstate.families._weights import Target, expert_target
-from kvstate.families.mamba2 import bias_params, config_float, layer_targets, mamba_options
+from kvstate.families.mamba2 import config_float, layer_targets, mamba2_biases, mamba_options
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -48,7 +48,7 @@ def _blocks(cfg: ConfigView) -> list[str]:
 def _mamba(cfg: ConfigView) -> Mamba2Spec:
     # mamba_head_dim left out: transformers' default (64), not expand x hidden / heads
     return Mamba2Spec(cfg.int("mamba_num_heads"), cfg.int("mamba_head_dim"), cfg.int(*D_STATE), cfg.int(*N_GROUPS),
-                      cfg.int(*CONV))
+                      cfg.int(*CONV), **mamba2_biases(cfg))
 
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:
@@ -57,21 +57,20 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     if "linear" in words:
         mixers["linear"] = (_mamba(cfg),)
     if "full" in words:
-        mixers["full"] = (attention(cfg),)
+        mixers["full"] = (attention(cfg),)  # transformers' NemotronH attention has no biases
     ffns: dict[str, FfnSpec] = {}
+    bias = cfg.bool("mlp_bias", default=False)  # the MLPs, the shared expert, the latent projections
     if "mlp" in words:
-        ffns["mlp"] = mlp(cfg, gated=False)  # relu2: up_proj, down_proj
+        ffns["mlp"] = mlp(cfg, gated=False, bias=bias)  # relu2: up_proj, down_proj
     if "moe" in words:  # transformers builds one shared expert of this width whatever n_shared_experts says
         ffns["moe"] = FfnSpec(
             "moe", gated=False, num_experts=cfg.int("n_routed_experts", "num_local_experts"),
             experts_per_token=cfg.int("num_experts_per_tok"),
             expert_intermediate_size=cfg.int("moe_intermediate_size"),
             shared_intermediate_size=cfg.int("moe_shared_expert_intermediate_size", minimum=0),
-            latent_size=cfg.int("moe_latent_size", default=0, minimum=0))
+            latent_size=cfg.int("moe_latent_size", default=0, minimum=0), bias=bias)
     layers = [LayerSpec(i, mixers.get(w, ()), ffns.get(w, FFN_NONE)) for i, w in enumerate(words)]
-    n_mamba = words.count("linear")
-    return build_plan(cfg, name, "nemotron_h", layers,
-                      extra_linear=n_mamba and n_mamba * bias_params(cfg, mixers["linear"][0]))
+    return build_plan(cfg, name, "nemotron_h", layers)
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

@@ -9,8 +9,8 @@ configs themselves. `dtype` and `mamba_ssm_dtype` may sit only inside `text_conf
 from __future__ import annotations
 
 from kvstate.config.fields import ConfigView
-from kvstate.config.plan import FfnSpec, GatedDeltaNetSpec, LayerSpec, ModelPlan
-from kvstate.families._common import attention, build_plan, layer_words, mlp
+from kvstate.config.plan import AttentionSpec, FfnSpec, GatedDeltaNetSpec, LayerSpec, ModelPlan
+from kvstate.families._common import attention, attention_bias, build_plan, layer_words, mlp
 from kvstate.config.options import ModelOptions
 from kvstate.families._options import eps, rope
 from kvstate.families._weights import Target, common_targets
@@ -55,21 +55,26 @@ def qwen_moe(cfg: ConfigView) -> FfnSpec:
     """Routed experts plus one sigmoid-gated shared expert (its gate is a hidden x 1 linear)."""
     return FfnSpec("moe", num_experts=cfg.int("num_experts"), experts_per_token=cfg.int("num_experts_per_tok"),
                    expert_intermediate_size=cfg.int("moe_intermediate_size"),
-                   shared_intermediate_size=cfg.int("shared_expert_intermediate_size", minimum=0))
+                   shared_intermediate_size=cfg.int("shared_expert_intermediate_size", minimum=0),
+                   shared_expert_gate=True)
+
+
+def qwen_attention(cfg: ConfigView) -> AttentionSpec:
+    """Gated attention (Qwen always gates) with per-head q/k norms; attention_bias on q, k, v and o."""
+    bias = attention_bias(cfg)
+    return attention(cfg, output_gate=cfg.bool("attn_output_gate", default=True), qk_norm=True,
+                     qkv_bias=bias, o_bias=bias)
 
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:
     model_type = cfg.str("model_type")
     t = text_view(cfg, model_type)
     words = full_or_linear(t)
-    attn = attention(t, output_gate=t.bool("attn_output_gate", default=True))  # Qwen always gates
+    attn = qwen_attention(t)
     gdn = gated_deltanet(t)
     ffn = qwen_moe(t) if "moe" in model_type else mlp(t)
     layers = [LayerSpec(i, (attn if w == "full" else gdn,), ffn) for i, w in enumerate(words)]
-    n_full, n_moe = words.count("full"), len(words) if ffn.kind == "moe" else 0
-    return build_plan(t, name, model_type, layers,
-                      extra_attention=n_full * 2 * attn.head_dim,  # q_norm, k_norm
-                      extra_moe=n_moe * t.int("hidden_size"))  # shared_expert_gate
+    return build_plan(t, name, model_type, layers)
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

@@ -13,16 +13,16 @@ from kvstate.config.fields import ConfigView
 from kvstate.config.options import ModelOptions
 from kvstate.config.plan import GatedDeltaNetSpec, LayerSpec, ModelPlan
 from kvstate.families import qwen3_5
-from kvstate.families._common import attention, build_plan, mlp
+from kvstate.families._common import build_plan, mlp
 from kvstate.families._weights import Target
-from kvstate.families.qwen3_5 import full_or_linear, gated_deltanet, qwen_moe
+from kvstate.families.qwen3_5 import full_or_linear, gated_deltanet, qwen_attention, qwen_moe
 
 MODEL_TYPES = ("qwen3_next",)
 
 
 def read(cfg: ConfigView, name: str) -> ModelPlan:
     words = full_or_linear(cfg)
-    attn = attention(cfg, output_gate=cfg.bool("attn_output_gate", default=True))
+    attn = qwen_attention(cfg)
     gdn = gated_deltanet(cfg)
     dense_only = set(cfg.int_list("mlp_only_layers")) if cfg.has("mlp_only_layers") else set()
     step = cfg.int("decoder_sparse_step", default=1)
@@ -32,10 +32,7 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
         is_moe = sparse and i not in dense_only and (i + 1) % step == 0
         ffn = qwen_moe(cfg) if is_moe else mlp(cfg)
         layers.append(LayerSpec(i, (attn if w == "full" else gdn,), ffn))
-    n_moe = sum(layer.ffn.kind == "moe" for layer in layers)
-    return build_plan(cfg, name, "qwen3_next", layers,
-                      extra_attention=words.count("full") * 2 * attn.head_dim,
-                      extra_moe=n_moe * cfg.int("hidden_size"))
+    return build_plan(cfg, name, "qwen3_next", layers)
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------
