@@ -198,10 +198,10 @@ class SlotManager:
             raise CacheAccountingError(f"state slot {slot} is not in use")
         self._used[slot] = False
         self._free.append(slot)
-        # a copy into a freed slot would write dead state; a copy out of it still reads what the last
-        # forward left there (copies run in order before the next forward), e.g. a snapshot of a
-        # sequence preempted or finished since it was queued
-        self._copies = [(s, d) for s, d in self._copies if d != slot]
+        # queued copies stay: they run in order before the next forward, so a copy out of a freed slot
+        # still reads what the last forward left there (a snapshot of a sequence preempted since), one
+        # into it may feed a copy queued after it (a snapshot taken, hit and evicted in one step), and a
+        # slot given out again is either read as zeros (a fresh sequence) or overwritten by a later copy
 
     def copy_slot(self, src: int, dst: int | None = None) -> int:
         """Queue a copy of slot `src` into `dst` (a fresh spare slot when None); returns dst.

@@ -92,7 +92,7 @@ class PrefixHooks:
         due = p == seq.num_prompt_tokens or p == self._branch.get(seq) or bool(self.interval and p % self.interval == 0)
         if p // self.bs <= self._registered.get(seq, 0) and not due:
             return
-        tokens, chain = self._register(seq)
+        tokens, chain = self._register(seq, snapshot=due)
         if due and self.cache.wants(tokens, p, chain, now):
             slot = self._spare_slot()
             if slot is not None:
@@ -101,7 +101,7 @@ class PrefixHooks:
 
     def keep_final(self, seq: Sequence, now: float) -> Snapshot | None:
         """A finished sequence's slot becomes the snapshot at its computed end (it no longer owns it)."""
-        tokens, chain = self._register(seq)
+        tokens, chain = self._register(seq, snapshot=True)
         p = seq.num_computed_tokens
         snap = None
         if seq.state_slot is not None and self.cache.wants(tokens, p, chain, now):
@@ -109,12 +109,16 @@ class PrefixHooks:
             seq.state_slot = None
         return snap
 
-    def _register(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def _register(self, seq: Sequence, snapshot: bool = False) -> tuple[list[int], list[int]]:
+        """Register the sequence's new full blocks. Before a snapshot, every block before p is checked:
+        one whose content another block held (computed at the same time) may have been evicted since,
+        and the sequence's own copy stands in."""
         p = seq.num_computed_tokens
         tokens = seq.token_ids(0, p)
         chain = self._chain(seq, tokens)
-        for i in range(self._registered.get(seq, 0), p // self.bs):
-            self.blocks.register(seq.block_table[i], chain[i])
+        for i in range(0 if snapshot else self._registered.get(seq, 0), p // self.bs):
+            if not snapshot or self.blocks.lookup(chain[i]) is None:
+                self.blocks.register(seq.block_table[i], chain[i])
         self._registered[seq] = p // self.bs
         return tokens, chain
 

@@ -20,7 +20,8 @@ branch points (the end of the cached blocks a new prompt shares with earlier one
 Eviction: KV blocks go least recently used (a snapshot whose blocks are gone is dropped). When a
 state slot (or the partial block of a snapshot) is needed, a snapshot is evicted by `policy`:
 "lru", or "marconi" (the idea of Marconi, MLSys 2025): recency and the prefill compute a snapshot
-saves per byte it holds, both normalized to [0, 1] over the candidates, summed; the lowest goes.
+saves per byte it holds, both normalized to [0, 1] over the candidates, summed with the saving
+weighted `alpha` (higher: a snapshot that saves much prefill outlives fresher cheap ones); the lowest goes.
 """
 
 from __future__ import annotations

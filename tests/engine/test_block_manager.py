@@ -105,9 +105,9 @@ def test_copy_slot_reserves_a_spare_and_queues_the_copy():
         sm.copy_slot(a, a)
     sm.copy_slot(a, b)
     sm.copy_slot(b, spare)
-    sm.free(spare)  # the copy into the freed slot is dropped; one out of a freed slot stays (it
-    sm.free(a)  # still reads what the last forward left: copies run before the next one)
-    assert sm.take_copies() == [(a, b)]
+    sm.free(spare)  # queued copies run in order before the next forward, freed slots or not:
+    sm.free(a)  # a freed slot still holds what the last forward (or an earlier copy) left there
+    assert sm.take_copies() == [(a, b), (b, spare)]
 
 
 @pytest.mark.parametrize("seed", range(3))
