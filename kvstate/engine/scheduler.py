@@ -7,6 +7,9 @@ spends a budget of `max_num_batched_tokens` tokens in this order:
 1. **Decodes** (running sequences one token behind), oldest first, one token each. A decode
    that needs a new KV block and finds none preempts the most recently admitted running
    sequence not yet scheduled this step, repeatedly; if that is itself, it is preempted.
+   With speculative decoding a decode carries its drafts (`seq.spec_token_ids`, as many as the
+   blocks and budget allow) as one "verify" entry; `postprocess` appends the accepted ones and
+   the token after them and frees the KV blocks past them (`_accept`).
 2. **Continuing prefills** (running sequences further behind: a chunked prompt, or a recompute),
    oldest first, as many tokens as the budget allows, cut down to the KV blocks still free. If
    not one token fits, newer unscheduled sequences are preempted; if there are none it waits
