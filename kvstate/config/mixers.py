@@ -224,7 +224,7 @@ class ShortConvSpec(_Mixer):
         return self.kernel
 
     def params(self, hidden: int) -> int:
-        weights = hidden * 3 * self.dim + self.dim * self.kernel + self.dim * hidden  # in_proj (B, C, x), conv, out_proj
+        weights = hidden * 3 * self.dim + self.dim * self.kernel + self.dim * hidden  # in_proj (B C x), conv, out_proj
         return weights + (3 * self.dim + self.dim + hidden) * self.bias
 
 

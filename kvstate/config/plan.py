@@ -3,7 +3,9 @@
 `ModelPlan.layers` holds one `LayerSpec` per decoder block. A block has zero, one or more
 token mixers (Falcon-H1 runs attention and Mamba-2 side by side; Nemotron-H's MLP/MoE blocks
 have none) and one FFN. Each mixer kind (`kvstate.config.mixers`) is a small frozen dataclass
-carrying exactly the dims that size its cache and its weights, and giving both. The cache spec
+carrying exactly the dims that size its cache and its weights, and giving both; the weight facts
+that differ between families (q/k norms, biases, gates) are flags of the kinds and of `FfnSpec`,
+so the parameter count needs no per-family correction. The cache spec
 (`kvstate.cache.spec`), the memory planner, the model builder and the engine's pools all read
 this one description.
 
@@ -68,7 +70,7 @@ class FfnSpec:
         if self.kind == "moe":
             width = self.latent_size or hidden  # latent MoE: experts between hidden -> latent -> hidden projections
             experts = self.num_experts * mats * width * self.expert_intermediate_size
-            latent = (2 * hidden * self.latent_size + (self.latent_size + hidden) * self.bias) if self.latent_size else 0
+            latent = 2 * hidden * self.latent_size + (self.latent_size + hidden) * self.bias if self.latent_size else 0
             router = hidden * self.num_experts
             return 0, experts + latent + router + mlp(self.shared_intermediate_size) + hidden * self.shared_expert_gate
         return 0, 0
