@@ -54,6 +54,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="most requests running at once (and state slots) (default: 32)")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
                         help="most tokens computed in one engine step (default: 2048)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="reuse KV blocks and state snapshots of earlier prompts and replies (hits in /metrics)")
+    parser.add_argument("--snapshot-interval", type=_positive_int, default=512, metavar="N",
+                        help="with prefix caching, also snapshot the state every N prompt tokens (default: 512)")
+    spec = parser.add_argument_group("speculative decoding (as kvstate generate)")
+    spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
+                      help="draft K tokens per step by prompt lookup")
+    spec.add_argument("--spec-model", default=None, metavar="PATH",
+                      help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
+    spec.add_argument("--spec-tokens", type=_positive_int, default=4, metavar="K",
+                      help="tokens the draft model proposes per step (default: 4)")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON", help="vLLM's dict, as a JSON string")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
@@ -111,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _app(args: argparse.Namespace, model):
     from kvstate.commands.console import make_console
+    from kvstate.commands.generate import speculative_config
     from kvstate.commands.progress import load_progress
     from kvstate.engine.llm import LLM
     from kvstate.hub import resolve_checkpoint
@@ -123,11 +136,14 @@ def _app(args: argparse.Namespace, model):
         routers.append(explorer.router)
     except ImportError:  # the explorer's API is optional: the OpenAI routes serve without it
         pass
+    spec = speculative_config(args)  # a bad flag fails before the weights load
     path = resolve_checkpoint(model)
     with load_progress(make_console(stderr=True)) as progress:
         llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype)
+                  seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype,
+                  enable_prefix_caching=args.enable_prefix_caching, snapshot_interval=args.snapshot_interval,
+                  speculative_config=spec)
     if args.served_model_name:
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given

@@ -140,13 +140,13 @@ class EngineLoop:
                     observe(self.core, outs, seconds)
                 except Exception:  # a broken view must not stop the engine
                     log.exception("step observer failed")
+            self._stats = self.core.stats()  # before routing: a handler that sees its request end sees fresh stats
             for out in outs:
                 route = self._routes.get(out.request_id)
                 if route is not None:
                     route[0].put(route[1], out)
                     if out.finished:
                         del self._routes[out.request_id]
-            self._stats = self.core.stats()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""

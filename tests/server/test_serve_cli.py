@@ -1,6 +1,6 @@
 """`kvstate serve`: without a model or a bundled one it says what to pass (one line, exit 2); a busy
 port is one line before any model loads; a real process on a free loopback port answers the
-OpenAI client, and stops cleanly on SIGTERM."""
+OpenAI client, reports prefix-cache hits in /metrics, and stops cleanly on SIGTERM."""
 
 import os
 import re
@@ -56,7 +56,7 @@ def test_serve_process_answers_and_stops(checkpoint):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--model", str(checkpoint), "--port", "0",
-                             "--max-model-len", "128", "--cache-memory", "8MiB", "--served-model-name", "tiny"],
+                             "--max-model-len", "128", "--cache-memory", "8MiB", "--served-model-name", "tiny", "--enable-prefix-caching"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()  # the URL line, once the model is loaded
@@ -73,6 +73,13 @@ def test_serve_process_answers_and_stops(checkpoint):
             out = client.completions.create(model="tiny", prompt="hybrid", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.usage.completion_tokens == 3
+            # the same 49 tokens three times: the second stores the prompt's snapshot (the cache's admission rule), the third hits
+            prompt = list(range(3, 52))
+            for _ in range(3):
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        metrics = httpx.get(url[0] + "/metrics", timeout=10).text
+        hits = re.search(r"^kvstate_prefix_hits (\S+)$", metrics, re.M)
+        assert hits and float(hits[1]) >= 1, metrics
     finally:
         proc.terminate()
         try:
