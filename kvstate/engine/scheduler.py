@@ -205,6 +205,7 @@ class Scheduler:
                     step.add(seq, n)
                     if decodes and n > 1:
                         step.add_drafts(seq.spec_token_ids[: n - 1])
+                    seq.spec_token_ids = []  # drafts are used once: the proposer drafts anew after the step
                     scheduled.add(seq)
                     budget -= n
         while (not step.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
