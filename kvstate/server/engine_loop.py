@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 
-from kvstate.engine.outputs import EngineOutput
+from kvstate.engine.outputs import EngineOutput, RequestOutput
 
 log = logging.getLogger("kvstate.server")
 _STOP = object()
@@ -162,8 +162,13 @@ class EngineLoop:
             if cmd[0] == "add":
                 sub, jobs = cmd[1], cmd[2]
                 for choice, (rid, (ids, params)) in enumerate(jobs):
+                    try:
+                        self.core.add_request(rid, ids, params)
+                    except Exception as exc:  # the core reports bad input at its next step; anything else fails here
+                        log.exception("add_request failed")
+                        sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))
+                        continue
                     self._routes[rid] = (sub, choice)
-                    self.core.add_request(rid, ids, params)
             else:
                 for rid in cmd[1]:
                     if self._routes.pop(rid, None) is not None:
@@ -171,14 +176,17 @@ class EngineLoop:
             self._stats = self.core.stats()
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        from kvstate.engine.outputs import RequestOutput
-
         for rid, (sub, choice) in list(self._routes.items()):
-            out = RequestOutput.failed(rid, None, message)
-            out.outputs[0].finish_reason = reason
-            sub.put(choice, EngineOutput(rid, [], "", True, out))
+            sub.put(choice, _failed(rid, message, reason))
             try:
                 self.core.abort_request(rid)
             except Exception:  # the engine is already in a bad state; the request is failed either way
                 log.exception("abort after a failed step")
         self._routes.clear()
+
+
+def _failed(request_id, message: str, reason: str = "error") -> EngineOutput:
+    """The final output of a request that could not run (finish_reason `reason`, `error` set)."""
+    out = RequestOutput.failed(request_id, None, message)
+    out.outputs[0].finish_reason = reason
+    return EngineOutput(request_id, [], "", True, out)
