@@ -81,6 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + output in tokens, at most the model's (default: the model's "
                              "max_position_embeddings)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="reuse the KV blocks and state snapshots of earlier prompts and replies that share a "
+                             "prefix (the summary says how many prompt tokens came from the cache)")
     add_weight_dtype(parser)
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
     spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     with load_progress(console, enabled=not args.json) as progress:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
                   load_progress=progress, speculative_config=speculative_config(args),
+                  enable_prefix_caching=args.prefix_caching,
                   weight_dtype=args.weight_dtype)
     if args.chat:
         if llm.tokenizer is None:
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         for o in outputs:
             row = dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
-                       error=o.error, metrics=o.metrics, peak_cache_bytes=peak)
+                       error=o.error, metrics=o.metrics, peak_cache_bytes=peak, num_cached_tokens=o.num_cached_tokens)
             if args.n > 1:  # every sample; the fields above are the first one's
                 row["outputs"] = [dict(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
                                   for c in o.outputs]
@@ -188,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
     for o in outputs:
         if o.error:
             console.print(f"[red]error:[/] {o.error}", soft_wrap=True)
-    console.print(f"[dim]{summary(outputs, elapsed, peak)}[/]", soft_wrap=True)
     stats = llm.stats()
+    console.print(f"[dim]{summary(outputs, elapsed, peak, stats)}[/]", soft_wrap=True)
     if stats.get("spec_num_draft_tokens") is not None:
         console.print(f"[dim]speculation: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
                       f"drafted tokens accepted ({100 * stats['spec_acceptance_rate']:.0f}%), "
@@ -197,10 +201,11 @@ def run(args: argparse.Namespace) -> int:
     return 2 if failed else 0
 
 
-def summary(outputs, elapsed: float, peak: dict[str, int]) -> str:
+def summary(outputs, elapsed: float, peak: dict[str, int], stats: dict | None = None) -> str:
     """"12 tokens in 0.41 s: 31.5 tok/s decode, first token 52 ms; cache in use at peak: KV 48 KiB +
     state 1.5 MiB (2 length, 1 stop)". Timings only from requests that produced them; every
-    request's finish reason counted."""
+    request's finish reason counted. With prefix caching (`stats` of `LLM.stats()`): "; prefix cache:
+    40 of 52 prompt tokens cached (77%), 3 snapshots 4.50 MiB"."""
     from kvstate.memory import format_bytes
 
     samples = [c for o in outputs for c in (getattr(o, "outputs", None) or [o])]  # each of the n samples
@@ -218,5 +223,10 @@ def summary(outputs, elapsed: float, peak: dict[str, int]) -> str:
         finish = next(iter(reasons))
     else:
         finish = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common())
-    return (f"{head}; cache in use at peak: KV {format_bytes(peak['kv'])} + state {format_bytes(peak['state'])} "
+    line = (f"{head}; cache in use at peak: KV {format_bytes(peak['kv'])} + state {format_bytes(peak['state'])} "
             f"({finish or '-'})")
+    if stats and "prefix_cached_tokens" in stats:
+        line += (f"; prefix cache: {stats['prefix_cached_tokens']} of {stats['prefix_prompt_tokens']} prompt tokens "
+                 f"cached ({100 * stats['prefix_hit_rate']:.0f}%), {stats['snapshots_held']} snapshot"
+                 f"{'s' * (stats['snapshots_held'] != 1)} {format_bytes(stats['snapshot_bytes'])}")
+    return line
