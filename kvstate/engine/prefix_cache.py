@@ -26,7 +26,7 @@ weighted `alpha` (higher: a snapshot that saves much prefill outlives fresher ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.errors import KvstateError
@@ -69,7 +69,6 @@ class PrefixStats:
     hits: int = 0
     snapshots_taken: int = 0
     snapshots_evicted: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefixCache:
