@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvstate.kernels.fused import project
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.rope import Rotary
 from kvstate.ops.attention import paged_attention, write_kv
@@ -47,15 +48,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)  # one kernel call when fused
         gate = None
         if self.output_gate:
             # [T, H, 2D]: per head the first D are the query, the last D the gate
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
         q = q.reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels.fused import project
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -47,13 +48,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
-        qkv = short_conv(self.in_proj_qkv(x), cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
+        qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)  # one call if fused
+        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(self.in_proj_b(x).float())  # [T, HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())  # [T, HV]
+        beta = torch.sigmoid(b.float())  # [T, HV]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV]
         tokens = dict(q=q.view(t, self.num_k_heads, self.head_k_dim), k=k.view(t, self.num_k_heads, self.head_k_dim),
                       v=v.view(t, self.num_v_heads, self.head_v_dim), g=g, beta=beta)
         o = recur(OPS, cache.state, batch, tokens, use_qk_l2norm_in_kernel=True)  # [T, HV, V]; state [HV, K, V]
-        z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(o.reshape(t, self.value_dim))

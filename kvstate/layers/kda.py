@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels.fused import project
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_kda, recurrent_kda
@@ -49,13 +50,14 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = short_conv(self.qkv_proj(x), cache.conv, batch, self.conv_weight, None, self.act)  # [T, 3HD]
+        qkv, f_a, b, g_a = project(x, self.qkv_proj, self.f_a_proj, self.b_proj, self.g_a_proj)  # one call if fused
+        qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, 3HD]
         q, k, v = (part.view(t, h, d) for part in qkv.split(self.dim, dim=-1))
-        gate_in = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # [T, HD]
+        gate_in = self.f_b_proj(f_a).float() + self.dt_bias.float()  # [T, HD]
         g = -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(t, h, d))  # [T, H, D], <= 0
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        beta = torch.sigmoid(b.float())  # [T, H]
         o = recur(OPS, cache.state, batch, dict(q=q, k=k, v=v, g=g, beta=beta),
                   use_qk_l2norm_in_kernel=True)  # [T, H, D]; state [H, D, D]
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        gate = self.g_b_proj(g_a).view(t, h, d)
         o = self.o_norm(o.reshape(t, h, d), gate)
         return self.o_proj(o.reshape(t, self.dim))

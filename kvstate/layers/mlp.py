@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.errors import KvstateError
+from kvstate.kernels.fused import project
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -36,7 +37,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)  # one kernel call when fused
+        return self.down_proj(self.act(gate) * up)
 
 
 class MLP(nn.Module):

@@ -113,6 +113,27 @@ def _matrices(model: nn.Module):
                 yield module, name, param
 
 
+# Projections of one input that run as one kernel call (`kvstate.kernels.fused`), per layer class;
+# the layers' forwards call them through `project` in the same order.
+FUSED = {
+    GatedDeltaNet: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    Attention: ("q_proj", "k_proj", "v_proj"),
+    GatedMLP: ("gate_proj", "up_proj"),
+    KimiDeltaAttention: ("qkv_proj", "f_a_proj", "b_proj", "g_a_proj"),
+}
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Fuse every layer's same-input projections (after loading: weights become views of the fused matrix)."""
+    from kvstate.kernels.fused import fuse
+
+    for module in model.modules():
+        names = FUSED.get(type(module))
+        if names:
+            fuse(*(getattr(module, n) for n in names))
+    return model
+
+
 def set_weight_dtype(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
     """Store the projection, expert and embedding matrices in `weight_dtype` (float32 or bfloat16;
     the kernels widen bf16 exactly, math stays fp32). Tied tensors stay one tensor."""

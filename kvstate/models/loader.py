@@ -23,7 +23,7 @@ from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.hub import resolve_checkpoint
-from kvstate.models.build import build_model, set_weight_dtype
+from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
 WEIGHT_DTYPES = ("float32", "bfloat16")  # canonical names load_model's weight_dtype accepts
 
@@ -126,6 +126,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
+    fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
     model.eval()
     model.checkpoint_layout = layout
     model.hf_config = json.loads((path / "config.json").read_text())

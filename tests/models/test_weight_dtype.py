@@ -117,3 +117,28 @@ def test_weight_dtype_on_the_command_line(capsys, tmp_path):
         main(["generate", "hi", "--model", str(tmp_path), "--weight-dtype", "int4"])
     assert exit_.value.code == 2
     assert "--weight-dtype: expected bf16 or fp32" in capsys.readouterr().err
+
+
+def test_same_input_projections_run_as_one_call(tmp_path, monkeypatch):
+    """GDN's four input projections, q/k/v and gate/up are one kernel call each after loading, with
+    the logits of the unfused model; a .to() that moves the weights falls back to separate calls."""
+    import kvstate.kernels.fused as fused_mod
+    import kvstate.kernels.linear_module as module_mod
+
+    _qwen3_5_moe().save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path)
+    gdn = model.layers[0].mixer
+    assert gdn.in_proj_z.weight.data_ptr() == gdn.in_proj_qkv.fused_group.weight.data_ptr() + gdn.in_proj_qkv.weight.numel() * 4
+    calls = []
+    for mod in (fused_mod, module_mod):
+        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, f=mod.linear: calls.append(w.shape) or f(x, w, b))
+    ids = [random_ids(VOCAB, 3, 5)]
+    with torch.no_grad():
+        fused = forward_logits(model, ids)[0]
+        n_fused = len(calls)
+        model.to(torch.float64).to(torch.float32)  # new tensors: the groups are no longer intact
+        calls.clear()
+        apart = forward_logits(model, ids)[0]
+    # 3 GDN layers save 3 calls each, 2 attention layers 2 each, the shared experts' gate/up 1 per layer
+    assert len(calls) - n_fused == 3 * 3 + 2 * 2 + 5
+    assert rel_err(fused, apart) <= 1e-6

@@ -1,0 +1,60 @@
+"""Several projections of the same input as one kernel call: `fuse(*linears)` and `project(x, *linears)`.
+
+A batch-1 decode step pays for every call (Python dispatch, waking the threads, a barrier) as well
+as for the weights it streams; GDN's four input projections, attention's q/k/v and the MLP's
+gate/up each read the same x. `fuse` concatenates their weights once into one matrix and makes
+each Linear's weight a row view of it (the same parameters and state dict, no second copy);
+`project` then runs one `linear` and splits the columns. Unfused linears are called one by one,
+so a layer's forward is the same code either way. Fuse after loading and after any dtype change:
+a later `.to()` gives each Linear its own tensor again, and `project` then calls them apart.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvstate.kernels.dispatch import linear
+
+
+class FusedGroup:
+    """The concatenated weight [sum N_i, K] (and bias) of `members`, each a row view of it."""
+
+    def __init__(self, members: tuple[nn.Linear, ...]):
+        weights = [m.weight for m in members]
+        self.members = members
+        self.sizes = [w.shape[0] for w in weights]
+        self.weight = torch.cat([w.detach() for w in weights])  # [sum N, K]
+        self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        for m, w, b, old in zip(members, self.weight.split(self.sizes), self._bias_parts(), weights):
+            m.weight = nn.Parameter(w, requires_grad=old.requires_grad)
+            if b is not None:
+                m.bias = nn.Parameter(b, requires_grad=m.bias.requires_grad)
+
+    def _bias_parts(self):
+        return self.bias.split(self.sizes) if self.bias is not None else [None] * len(self.sizes)
+
+    def intact(self) -> bool:
+        """Every member still holds its view (no .to() or reassignment since)."""
+        # a .to() or load replaces every member's tensor: the first one tells
+        return self.members[0].weight.data_ptr() == self.weight.data_ptr()
+
+
+def fuse(*linears: nn.Linear) -> FusedGroup | None:
+    """Fuse linears of one input (same K, weight dtype and device; biases all or none); None if they differ."""
+    first = linears[0]
+    if any(m.weight.shape[1] != first.weight.shape[1] or m.weight.dtype != first.weight.dtype
+           or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in linears):
+        return None
+    group = FusedGroup(tuple(linears))
+    for m in linears:
+        m.fused_group = group  # a plain attribute: not a submodule, not in the state dict
+    return group
+
+
+def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
+    """[m(x) for m in linears], as one call when they were fused together (column views of one output)."""
+    group = getattr(linears[0], "fused_group", None)
+    if group is not None and group.members == linears and group.intact():
+        return list(linear(x, group.weight, group.bias).split(group.sizes, dim=-1))
+    return [m(x) for m in linears]
