@@ -81,7 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + output in tokens, at most the model's (default: the model's "
                              "max_position_embeddings)")
-    parser.add_argument("--prefix-caching", action="store_true",
+    parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true", dest="prefix_caching",
                         help="reuse the KV blocks and state snapshots of earlier prompts and replies that share a "
                              "prefix (the summary says how many prompt tokens came from the cache)")
     add_weight_dtype(parser)

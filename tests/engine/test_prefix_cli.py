@@ -29,3 +29,15 @@ def test_generate_prefix_caching_flag(checkpoint, capsys):  # noqa: F811
     assert row["num_cached_tokens"] == 0
     assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["num_cached_tokens"] is None
+
+
+def test_vllm_flag_name_is_an_alias():
+    import argparse
+
+    from kvstate.commands.generate import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    for flag in ("--prefix-caching", "--enable-prefix-caching"):
+        assert parser.parse_args(["--model", "m", "hi", flag]).prefix_caching
+    assert not parser.parse_args(["--model", "m", "hi"]).prefix_caching
