@@ -45,6 +45,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = gather_kv(v_cache, batch.block_tables[i], kv_len).transpose(0, 1)
         qi = q[cu[i] : cu[i + 1]].transpose(0, 1)  # [H, q_len, D]
         ctx = kv_len - q_len
+        if q_len == 1:  # a decode token sees every key: three ops, no mask, no K/V repeat
+            out[cu[i] : cu[i + 1]] = _one_query(qi, k, v, scale).transpose(0, 1)
+            continue
         if ctx == 0:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=q_len > 1, scale=scale, enable_gqa=True)
         else:
@@ -53,6 +56,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
         out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
     return out
+
+
+def _one_query(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """qi [H, 1, D], k [Hkv, L, D], v [Hkv, L, Dv] -> [H, 1, Dv]. SDPA's CPU path for one query
+    repeats K/V per query head and runs ~10 ops; here the G query heads of a KV head are the rows
+    of one matmul (query head h reads KV head h // G, as enable_gqa does)."""
+    hkv = k.shape[0]
+    qg = qi.reshape(hkv, -1, qi.shape[-1])  # [Hkv, G, D]
+    p = torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, dim=-1)  # [Hkv, G, L]
+    return torch.matmul(p, v).reshape(qi.shape[0], 1, v.shape[-1])
 
 
 def _decode_batched(q, k_cache, v_cache, batch, scale, out):
