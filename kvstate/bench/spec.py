@@ -9,7 +9,8 @@ only the proposer changes between runs, so every row runs the same weights, pool
 - draft: a smaller random Qwen3.5-style checkpoint of the same vocabulary (unrelated to the
   target, so it rarely agrees: the row shows the cost of drafting more than its gain).
 Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
-N - 1 tokens, best of `--repeats`. Every speculative run is checked token for token against plain
+N - 1 tokens, best of `--repeats`; each row's plain speed is measured right after it, on the
+same prompt (a shared machine's load drifts between rows). Every speculative run is checked token for token against plain
 greedy decoding ("exact").
 """
 
@@ -126,11 +127,14 @@ def run(args: argparse.Namespace) -> int:
                                                                 max_tokens=core.max_model_len, k=k))}
     for method in methods:
         which, make_drafter = drafters[method]
-        base_tps, base_tokens = plain[which]
+        base_tokens = plain[which][1]
         for k in ks:
             cfg = SpeculativeConfig("ngram", k)
             with console.status(f"{method}, k={k}"):
                 tps, tokens, prop = decode(prompts[which], lambda: Proposer(cfg, make_drafter(k), core.max_model_len))
+                # plain again right after, on the same prompt: the ratio is taken between neighbours in
+                # time, so a shared machine's load drifting between rows does not enter it
+                base_tps = decode(prompts[which], lambda: None)[0]
             st = prop.stats()
             rows.append(dict(method=method, prompt=which, k=k, acceptance=st["spec_acceptance_rate"],
                              tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,
