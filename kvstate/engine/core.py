@@ -178,13 +178,15 @@ class EngineCore:
         return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]
 
     def _news(self, seq: Sequence) -> EngineOutput:
-        tokens = seq.output_token_ids[self._sent.get(seq, 0):]
+        sent = self._sent.get(seq, 0)
+        tokens = seq.output_token_ids[sent:]
+        logprobs = list(seq.output_logprobs[sent:]) if seq.params.logprobs is not None else None
         text = seq.detokenizer.take() if seq.detokenizer is not None else ""
         if not seq.is_finished:
             self._sent[seq] = seq.num_output_tokens
-            return EngineOutput(seq.request_id, tokens, text, False)
+            return EngineOutput(seq.request_id, tokens, text, False, logprobs=logprobs)
         self._sent.pop(seq, None)
-        return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq))
+        return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq), logprobs=logprobs)
 
     def _request_output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text or ""  # None without a tokenizer: token ids only

@@ -72,6 +72,7 @@ class EngineOutput:
     text: str  # text those tokens add, less what could still turn out to be a stop string
     finished: bool
     output: RequestOutput | None = None  # the whole request, when finished
+    logprobs: list | None = None  # per token of token_ids, as RequestOutput.logprobs (when asked for)
 
 
 @dataclass

@@ -91,8 +91,6 @@ def _check(loop, body, prompts: list[list[int]], params) -> None:
     if body.model is not None and body.model != loop.model_name:
         raise ApiError(f"The model `{body.model}` does not exist (this server serves `{loop.model_name}`)",
                        status=404, param="model", code="model_not_found")
-    if body.stream and params.logprobs is not None:
-        raise ApiError("logprobs are not streamed yet: ask with stream false", param="logprobs")
     limit, vocab = loop.core.max_model_len, loop.core.plan.vocab_size
     for ids in prompts:
         if not ids:
@@ -191,6 +189,7 @@ class _Reply:
         self.created = P.now()
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.finals = [None] * (len(prompts) * params.n)
+        self.offsets = [0] * len(self.finals)  # streamed completions: text_offset of the next token
         tok = loop.llm.tokenizer
         self.decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
 
@@ -234,11 +233,21 @@ class _Reply:
             body["usage"] = usage
         return P.sse(body)
 
-    def _piece(self, choice: int, text: str | None, reason=None, first=False) -> dict:
+    def _piece(self, choice: int, text: str | None, reason=None, first=False, logprobs=None) -> dict:
         if not self.chat:
-            return {"index": choice, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": choice, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"index": choice, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _step_logprobs(self, choice: int, out):
+        """The logprobs object of the tokens one engine step added (None when not asked for or none)."""
+        if self.params.logprobs is None or not out.logprobs:
+            return None
+        if self.chat:
+            return P.chat_logprobs(out.logprobs, out.token_ids, self.decode)
+        lp = P.completion_logprobs(out.logprobs, out.token_ids, self.decode, self.offsets[choice])
+        self.offsets[choice] += sum(len(t) for t in lp["tokens"])
+        return lp
 
     async def stream(self, first, sub, include_usage: bool, metrics):
         if self.chat:  # OpenAI opens each choice with the role
@@ -249,13 +258,14 @@ class _Reply:
             self.take(choice, out)
             if out.finished and out.output.finish_reason == "error":
                 yield P.sse(P.error_body(out.output.error or "the request failed"))
-            elif out.text or out.finished:
+            elif out.text or out.finished or (out.logprobs and self.params.logprobs is not None):
                 reason = P.finish_reason(out.output.finish_reason) if out.finished else None
+                lp = self._step_logprobs(choice, out)
                 if out.text and reason is not None and self.chat:  # the last text, then the end of the choice
-                    yield self._chunk([self._piece(choice, out.text)])
+                    yield self._chunk([self._piece(choice, out.text, logprobs=lp)])
                     yield self._chunk([self._piece(choice, None, reason)])
                 else:
-                    yield self._chunk([self._piece(choice, out.text, reason)])
+                    yield self._chunk([self._piece(choice, out.text, reason, logprobs=lp)])
             item = await anext(sub, None)
         metrics.generation_tokens.inc(self.completion_tokens)
         if include_usage:

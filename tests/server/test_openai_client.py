@@ -109,6 +109,22 @@ def test_logprobs(client, reference_llm):
     assert all(c.logprob <= 0 for c in content)
 
 
+def test_streamed_logprobs_equal_the_engine_s(client, reference_llm):
+    want = reference(reference_llm, PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    streamed = [x for p in parts for x in p.token_logprobs]
+    assert streamed == pytest.approx([e[0] for e in want.logprobs], abs=1e-5)
+    offsets = [x for p in parts for x in p.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    chat = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                               stream=True))
+    content = [x for c in chat if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert len(content) == 4 and all(len(x.top_logprobs) == 2 and x.logprob <= 0 for x in content)
+
+
 def test_models_lists_the_served_model(client, live_server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
