@@ -12,23 +12,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import socket
-import threading
-import time
 from pathlib import Path
+
+from tests.live_server import ServerThread, write_checkpoint  # noqa: F401 (re-exported for conftest)
+from tests.live_server import wait_idle as wait_loop_idle
 
 MODEL_NAME = "tiny-qwen3.5"
 MAX_MODEL_LEN = 1024
 CHUNK = 64  # max_num_batched_tokens: a prompt longer than this prefills in several steps
-
-
-def write_checkpoint(path: Path) -> Path:
-    from tests.engine.test_engine import tiny_qwen3_5
-    from tests.models.test_tokenizer import write_tokenizer
-
-    tiny_qwen3_5(vocab=300).save_pretrained(path)  # the tokenizer's 300 tokens
-    write_tokenizer(path)
-    return path
 
 
 def explorer_app(path: Path):
@@ -41,39 +32,6 @@ def explorer_app(path: Path):
     return create_app(llm, model_name=MODEL_NAME, routers=[explorer.router])
 
 
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1 on a free port, in a daemon thread; yields the base URL."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
-
-
 def wait_idle(app, timeout: float = 30.0) -> dict:
-    """The engine loop's stats once nothing is running, waiting or queued."""
-    loop = app.state.engine_loop
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = loop.stats()
-        if not (stats["num_running"] or stats["num_waiting"] or stats["num_pending"]) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.02)
+    """The app's engine loop stats once nothing is running, waiting or queued."""
+    return wait_loop_idle(app.state.engine_loop, timeout)
