@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 
-from kvstate.commands.generate import add_weight_dtype
+from kvstate.commands.engine_args import add_weight_dtype
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvstate.commands.generate import add_weight_dtype
+from kvstate.commands.engine_args import add_weight_dtype
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
-from kvstate.commands.generate import add_weight_dtype
+from kvstate.commands.engine_args import _positive_int, add_cache_args, add_spec_args, add_weight_dtype
 from kvstate.errors import KvstateError
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -30,12 +30,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    from kvstate.commands.generate import _positive_int as check
-
-    return check(text)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
                         help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
@@ -45,11 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the --model argument's last path part)")
-    parser.add_argument("--cache-memory", default=None, metavar="SIZE",
-                        help="KV + state pool budget, e.g. 4GiB (default: a fraction of the free memory)")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
-                        help="longest prompt + output in tokens, at most the model's (default: the model's "
-                             "max_position_embeddings)")
+    add_cache_args(parser)
     parser.add_argument("--max-num-seqs", type=_positive_int, default=32, metavar="N",
                         help="most requests running at once (and state slots) (default: 32)")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
@@ -58,14 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks and state snapshots of earlier prompts and replies (hits in /metrics)")
     parser.add_argument("--snapshot-interval", type=_positive_int, default=512, metavar="N",
                         help="with prefix caching, also snapshot the state every N prompt tokens (default: 512)")
-    spec = parser.add_argument_group("speculative decoding (as kvstate generate)")
-    spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
-                      help="draft K tokens per step by prompt lookup")
-    spec.add_argument("--spec-model", default=None, metavar="PATH",
-                      help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
-    spec.add_argument("--spec-tokens", type=_positive_int, default=4, metavar="K",
-                      help="tokens the draft model proposes per step (default: 4)")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON", help="vLLM's dict, as a JSON string")
+    add_spec_args(parser)
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
@@ -123,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _app(args: argparse.Namespace, model):
     from kvstate.commands.console import make_console
-    from kvstate.commands.generate import speculative_config
+    from kvstate.commands.engine_args import speculative_config
     from kvstate.commands.progress import load_progress
     from kvstate.engine.llm import LLM
     from kvstate.hub import resolve_checkpoint
