@@ -55,6 +55,8 @@ def fuse(*linears: nn.Linear) -> FusedGroup | None:
 def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     """[m(x) for m in linears], as one call when they were fused together (column views of one output)."""
     group = getattr(linears[0], "fused_group", None)
-    if group is not None and group.members == linears and group.intact():
+    # the fused matrix is a detached concat: under autograd (training) each member runs on its own
+    training = torch.is_grad_enabled() and linears[0].weight.requires_grad
+    if group is not None and not training and group.members == linears and group.intact():
         return list(linear(x, group.weight, group.bias).split(group.sizes, dim=-1))
     return [m(x) for m in linears]
