@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "generate": "stream a completion from a checkpoint with the engine (paged KV + state slots)",
     "bench": "benchmarks: ops, model, engine (ratios against transformers, fraction of machine limits)",
     "serve": "OpenAI-compatible HTTP server over the engine, with the cache explorer at / (loopback by default)",
+    "recall": "recall on CPU: train tiny models on MQAR / phonebook, sweep them, run the phonebook test",
 }
 
 
