@@ -7,7 +7,7 @@
   the sequence's own slot (`SlotManager.copy_slot`: the runner copies before the forward), and
   `num_computed_tokens` starts there. Returns the first chunk's size, or None when it does not fit.
 - `limit(seq, n)`: a chunk stops at the next snapshot position: a multiple of `interval`, or the
-  branch point (where the cached blocks this prompt shares with earlier ones end).
+  branch point (the token where this prompt leaves what earlier ones cached, inside a block too).
 - `computed(seq)`, after each step: full blocks are registered under their hash chain, and a
   snapshot is queued (a slot copy) when the sequence stands at a prompt end, an interval or its
   branch point.
@@ -44,7 +44,7 @@ class PrefixHooks:
         for f in ending:
             if p < f.num_tokens < seq.num_tokens and f.token_ids(0, f.num_tokens) == tokens[:f.num_tokens]:
                 return None
-        branch = self.cache.cached_blocks(chain) * self.bs
+        branch = self.cache.branch_point(tokens, chain)
         if p < branch < seq.num_tokens:
             self._branch[seq] = branch
         n = self.limit(seq, min(seq.num_tokens - p, budget), start=p)
@@ -118,7 +118,9 @@ class PrefixHooks:
         chain = self._chain(seq, tokens)
         for i in range(0 if snapshot else self._registered.get(seq, 0), p // self.bs):
             if not snapshot or self.blocks.lookup(chain[i]) is None:
-                self.blocks.register(seq.block_table[i], chain[i])
+                if self.blocks.register(seq.block_table[i], chain[i]):
+                    self.cache.note_block(chain[i - 1] if i else 0, chain[i],
+                                          tuple(tokens[i * self.bs:(i + 1) * self.bs]))
         self._registered[seq] = p // self.bs
         return tokens, chain
 

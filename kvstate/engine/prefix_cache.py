@@ -15,7 +15,8 @@ where a copy of the state at its last token was kept. Two things make a prefix r
 full blocks are all still cached; the scheduler shares those blocks, queues the partial-block copy
 and the slot copy, and prefills only the rest. Snapshots are taken by the scheduler at prompt
 ends, reply ends (the finished sequence's slot itself), every `snapshot_interval` tokens and at
-branch points (the end of the cached blocks a new prompt shares with earlier ones).
+branch points (the token where a new prompt leaves what earlier ones cached: the end of the shared
+cached blocks plus the tokens it shares with a cached block that follows them).
 
 Eviction: KV blocks go least recently used (a snapshot whose blocks are gone is dropped). When a
 state slot (or the partial block of a snapshot) is needed, a snapshot is evicted by `policy`:
@@ -84,6 +85,9 @@ class PrefixCache:
         self.slot_bytes, self.block_bytes = slot_bytes, block_bytes
         self.align = align  # snapshots only at multiples of this (1: anywhere; 1024: vLLM's blocks)
         self.snapshots: dict[tuple, Snapshot] = {}
+        # cached blocks' tokens by parent hash, to find a branch point inside a block: parent -> {hash: tokens}
+        self._children: dict[int, dict[int, tuple[int, ...]]] = {}
+        self._parent: dict[int, int] = {}
         self.stats = PrefixStats()
         blocks.on_evict = self._block_evicted
 
@@ -104,6 +108,25 @@ class PrefixCache:
         while n < len(chain) and self.blocks.lookup(chain[n]) is not None:
             n += 1
         return n
+
+    def note_block(self, parent: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Remember the tokens of a block registered under `block_hash` (child of chain hash `parent`)."""
+        self._children.setdefault(parent, {})[block_hash] = tokens
+        self._parent[block_hash] = parent
+
+    def branch_point(self, tokens: list[int], chain: list[int]) -> int:
+        """Where `tokens` leave what is cached: the end of its cached leading blocks plus the longest
+        run of its next tokens that a cached block after them starts with (token-granular)."""
+        n, bs = self.cached_blocks(chain), self.block_size
+        tail = tokens[n * bs:(n + 1) * bs]
+        best = 0
+        for h, block in self._children.get(chain[n - 1] if n else 0, {}).items():
+            if best < len(tail) and self.blocks.lookup(h) is not None:
+                k = 0
+                while k < len(tail) and block[k] == tail[k]:
+                    k += 1
+                best = max(best, k)
+        return n * bs + best
 
     def use(self, snap: Snapshot, now: float) -> tuple[list[int], int | None]:
         """Take a hit: (the shared full blocks, the partial block to copy or None); refreshes recency."""
@@ -167,6 +190,12 @@ class PrefixCache:
 
     def _block_evicted(self, block: int, block_hash: int) -> None:
         """A cached block was reused: snapshots that need it can no longer be resumed."""
+        parent = self._parent.pop(block_hash, None)
+        if parent is not None:
+            siblings = self._children[parent]
+            del siblings[block_hash]
+            if not siblings:
+                del self._children[parent]
         for snap in [s for s in self.snapshots.values() if block_hash in s.chain]:
             self.drop(snap)
 

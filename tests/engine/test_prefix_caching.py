@@ -60,10 +60,11 @@ def test_shared_system_prompt_and_branching_conversations(path):
     reply = cached.generate([first], GREEDY)[0]
     assert reply.token_ids == plain.generate([first], GREEDY)[0].token_ids
     # a second user of the system prompt resumes at the last interval snapshot (16), branches off where
-    # the cached blocks end (20) and leaves a snapshot there, which the third one starts from
+    # it leaves the first prompt's tokens (22: inside the sixth block, not rounded down to its start)
+    # and leaves a snapshot there, which the third one starts from
     others = [system + random_ids(VOCAB, 3 + i, 10 + i) for i in range(3)]
     outs = [cached.generate([p], GREEDY)[0] for p in others]
-    assert [o.num_cached_tokens for o in outs] == [16, 20, 20]
+    assert [o.num_cached_tokens for o in outs] == [16, 22, 22]
     # two continuations of one conversation, at once: both start from its end (partial block copied)
     conversation = first + reply.token_ids
     branches = [conversation + random_ids(VOCAB, 2 + i, 20 + i) for i in range(2)]
