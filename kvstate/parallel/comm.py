@@ -1,0 +1,87 @@
+"""The tensor-parallel process group: gloo over TCP on 127.0.0.1 (or torchrun's MASTER_ADDR/PORT).
+
+`TPGroup` is a plain ProcessGroupGloo object, not torch.distributed's global default group, so
+an `LLM(..., tensor_parallel_size=N)` leaves the caller's process state alone. Every collective
+waits at most `timeout` seconds: a rank that died makes the others raise `RankFailure` (a
+KvstateError naming the operation), never hang. Objects (the step data) travel pickled in a
+uint8 tensor: its length first, then the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvstate.errors import KvstateError
+
+DEFAULT_TIMEOUT = 60.0  # seconds any collective may wait for the other ranks
+
+
+class RankFailure(KvstateError):
+    """Another rank stopped answering: it died, or raised and left the step."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPGroup:
+    """Rank `rank` of `size` tensor-parallel ranks, joined through a TCPStore at host:port."""
+
+    def __init__(self, rank: int, size: int, port: int, *, host: str = "127.0.0.1",
+                 timeout: float = DEFAULT_TIMEOUT):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        wait = timedelta(seconds=timeout)
+        try:
+            self.store = dist.TCPStore(host, port, size, rank == 0, timeout=wait)
+            self.pg = dist.ProcessGroupGloo(self.store, rank, size, wait)
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise RankFailure(f"TP rank {rank}: could not join the {size} ranks at {host}:{port} within "
+                              f"{timeout:g} s ({str(exc).splitlines()[0][:160]})") from None
+
+    @classmethod
+    def from_env(cls, timeout: float = DEFAULT_TIMEOUT) -> "TPGroup":
+        """The group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
+                   host=os.environ.get("MASTER_ADDR", "127.0.0.1"), timeout=timeout)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise RankFailure(f"TP rank {self.rank}: {what} failed: another rank stopped "
+                              f"({str(exc).splitlines()[0][:160]})") from None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place (returns it)."""
+        self._wait(self.pg.allreduce([t]), "all-reduce")
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape on all), in rank order."""
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self._wait(self.pg.allgather([out], [t]), "all-gather")
+        return out
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's `obj` on every rank (pickled)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.pg.broadcast([size], 0), "broadcast")
+        if self.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self.pg.broadcast([data], 0), "broadcast")
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1))

@@ -1,0 +1,50 @@
+"""The per-rank plan (torch-free): what divides, the rank's parameters and cache, for the bundled configs."""
+
+import pytest
+
+from kvstate.cache.spec import cache_spec
+from kvstate.config import read_plan
+from kvstate.config.fields import ConfigView
+from kvstate.errors import KvstateError
+from kvstate.models.build import build_model
+from kvstate.models.loader import family_of
+from kvstate.parallel.plan import shard_plan, tp_problems, vocab_range
+
+BUNDLED = ["qwen3.5-0.8b", "kimi-linear-48b-a3b", "nemotron-h-8b-base-8k", "jamba-v0.1", "qwen3-next-80b-a3b",
+           "llama-3.1-8b"]
+
+
+def test_what_does_not_divide_is_one_line_each():
+    plan = read_plan("qwen3.5-0.8b")
+    problems = tp_problems(plan, 3)
+    assert "attention heads = 8 does not divide by --tp 3" in problems
+    assert "Gated DeltaNet value heads = 16 does not divide by --tp 3" in problems
+    assert len(problems) == len(set(problems))  # 24 layers, each problem once
+    assert tp_problems(plan, 2) == [] and tp_problems(plan, 8) == []  # KV heads 2 < 8: replicated
+    with pytest.raises(KvstateError, match="attention heads = 8 does not divide"):
+        shard_plan(plan, 3)
+
+
+def test_vocab_rows_cover_the_vocabulary_once():
+    for vocab, tp in ((101, 4), (32000, 2), (7, 8)):
+        ranges = [vocab_range(vocab, tp, r) for r in range(tp)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_plan_counts_the_rank_model_and_divides_the_cache(name, tp):
+    """The rank plan's parameter count is the rank model's (built on meta, experts and router as loaded);
+    the KV per token divides by tp unless KV heads are replicated, MLA's latent never divides."""
+    from kvstate.parallel.model import _local_experts
+
+    plan = read_plan(name)
+    local = shard_plan(plan, tp, tp - 1)
+    opts = family_of(plan).model_options(ConfigView(plan.config, plan.source))
+    model = build_model(local, opts, device="meta")
+    _local_experts(model, plan, opts, tp, tp - 1)
+    assert sum(p.numel() for p in model.parameters()) == local.params.total
+    full, mine = cache_spec(plan), cache_spec(local)
+    assert mine.state_bytes * tp == full.state_bytes
+    assert full.kv_bytes_per_token // tp <= mine.kv_bytes_per_token <= full.kv_bytes_per_token
