@@ -70,6 +70,25 @@ def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, 
     return max(1, min(2 * max_num_seqs, fit))
 
 
+def _draft_costs(speculative_config, max_num_seqs: int, block_size: int) -> tuple[int, int] | None:
+    """(fixed bytes, bytes per target token) of a draft model's pools (`draft_pool_bytes`), None without one."""
+    if speculative_config is None:
+        return None
+    from kvstate.cache.spec import cache_spec
+    from kvstate.config import read_plan
+    from kvstate.engine.spec.config import SpeculativeConfig
+    from kvstate.engine.spec.draft_model import draft_pool_bytes
+    from kvstate.hub import resolve_checkpoint
+
+    config = SpeculativeConfig.from_dict(speculative_config)
+    if config.model is None:
+        return None
+    spec = cache_spec(read_plan(resolve_checkpoint(config.model)), kv_dtype="float32", state_dtype="float32",
+                      conv_dtype="float32")
+    return draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, max_tokens=0,
+                            k=config.num_speculative_tokens)
+
+
 class EngineCore:
     def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -86,19 +105,29 @@ class EngineCore:
         max_model_len = check_max_model_len(max_model_len, plan.max_position_embeddings)
         if isinstance(cache_memory, str):
             cache_memory = parse_size(cache_memory, "--cache-memory")
-        if cache_memory is None:
-            from kvstate.cache.spec import cache_spec
+        from kvstate.cache.spec import cache_spec
 
-            spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
-                              conv_window=conv_window)
+        spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
+                          conv_window=conv_window)
+        draft = _draft_costs(speculative_config, max_num_seqs, block_size)  # (fixed, per token) or None
+        if cache_memory is None:
             need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
             if enable_prefix_caching:
                 need += 2 * max_num_seqs * spec.state_bytes
+            if draft is not None:
+                need += draft[0] + max_num_seqs * max_model_len * draft[1]
             cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()), need)
         spare = 0
         if enable_prefix_caching:
             spare = snapshot_slots(plan, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
-        self.runner = ModelRunner(model, plan, cache_bytes=cache_memory, block_size=block_size,
+        self.draft_cache_bytes = 0  # what a draft model's pools take out of cache_memory
+        if draft is not None:
+            fixed, per_token = draft
+            left = cache_memory - fixed - (max_num_seqs + spare) * spec.state_bytes
+            tokens = max(0, left) // (spec.kv_bytes_per_token + per_token) if spec.kv_bytes_per_token else \
+                max_num_seqs * max_model_len  # no target KV: the draft holds full-length requests
+            self.draft_cache_bytes = fixed + tokens * per_token
+        self.runner = ModelRunner(model, plan, cache_bytes=cache_memory - self.draft_cache_bytes, block_size=block_size,
                                   num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window,
                                   seed=seed)
         sizes = self.runner.sizes

@@ -115,6 +115,12 @@ def test_a_hybrid_draft_model_of_the_same_vocabulary(tmp_path):
             assert stats["spec_acceptance_rate"] == 1.0
         drafter = llm.engine.spec.drafter
         assert not drafter.held and drafter.slots.num_free_slots == drafter.runner.sizes.num_slots
+        # both models' pools come out of the one --cache-memory budget, the draft's sized for the target's tokens
+        target_bytes, draft_bytes = sum(llm.engine.runner.pool_bytes.values()), sum(drafter.runner.pool_bytes.values())
+        assert target_bytes + draft_bytes <= 16 << 20
+        assert target_bytes + draft_bytes > 0.95 * (16 << 20)  # and little of it is left unused
+        sizes = llm.engine.runner.sizes
+        assert drafter.runner.sizes.num_blocks >= sizes.num_blocks  # same block size
 
 
 def test_requests_with_penalties_or_logprobs_get_no_drafts(checkpoint):

@@ -29,6 +29,14 @@ class _Held:
     done: int = 0  # the request's tokens in `slot` and in the KV blocks
 
 
+def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, max_tokens: int, k: int) -> tuple[int, int]:
+    """(fixed bytes, bytes per target token) of a draft model's pools, `spec` its cache spec: two state
+    slots per request, and KV for every token the target holds plus each request's drafts and a block.
+    The engine takes this out of --cache-memory before sizing the target's pools (no torch)."""
+    fixed = 2 * max_num_seqs * spec.state_bytes + (max_num_seqs * (k + block_size) + block_size) * spec.kv_bytes_per_token
+    return fixed, spec.kv_bytes_per_token
+
+
 class DraftModelDrafter:
     def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, max_tokens: int, k: int):
         """`max_tokens`: the most tokens held at once by all requests (the target's KV capacity)."""
@@ -38,7 +46,9 @@ class DraftModelDrafter:
         spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
         slots = 2 * max_num_seqs
         tokens = max_tokens + max_num_seqs * (k + block_size)
-        budget = slots * spec.state_bytes + (tokens + block_size) * spec.kv_bytes_per_token
+        fixed, per_token = draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size,
+                                            max_tokens=max_tokens, k=k)
+        budget = fixed + max_tokens * per_token
         self.runner = ModelRunner(model, plan, cache_bytes=budget, block_size=block_size, num_slots=slots,
                                   max_model_len=tokens)
         self.blocks = BlockManager(self.runner.sizes.num_blocks, block_size)
