@@ -12,7 +12,8 @@ random ~0.5B Qwen3.5-style one; `--quick`: small):
 Reported per policy: prompt tokens computed, the share of the ideally reusable prompt tokens reused
 (ideal: each prompt's longest common prefix with any earlier conversation, one token left to
 compute), mean time to first token of turn 1 and of turns 2-6, and ratios to "off". The replies of
-all policies must be the same tokens (prefix caching is exact).
+all policies must be the same tokens (prefix caching is exact). Each prompt runs through the three
+policies' engines back to back, so a load that drifts on a shared machine weighs on all of them alike.
 """
 
 from __future__ import annotations
@@ -45,47 +46,75 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_policy(path, policy: str, shape: dict, seed: int, console) -> dict:
+def make_engine(path, policy: str, shape: dict):
+    """The engine of one policy: room for every conversation's KV and three snapshots per conversation
+    (eviction is not what is measured)."""
+    from kvstate.cache.spec import cache_spec
+    from kvstate.config import read_plan
     from kvstate.engine.llm import LLM
     from kvstate.engine.params import SamplingParams
 
     options = dict(POLICIES[policy])
     if "prefix_align" in options:
         options["prefix_align"] = options["snapshot_interval"] = shape["align"]
-    from kvstate.cache.spec import cache_spec
-    from kvstate.config import read_plan
-
     longest = shape["system"] + shape["turns"] * (shape["user"] + shape["reply"]) + 8
     spec = cache_spec(read_plan(path), kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
-    # room for every conversation's KV and three snapshots per conversation: eviction is not what is measured
     spare = 3 * shape["convs"]
     budget = (2 + spare) * spec.state_bytes + (shape["convs"] + 2) * longest * spec.kv_bytes_per_token
     if options:
         options["num_snapshot_slots"] = spare
     llm = LLM(path, cache_memory=budget, max_num_seqs=2, max_model_len=longest, max_num_batched_tokens=4096,
               **options)
-    rng = random.Random(seed)
-    vocab = llm.plan.vocab_size
-    ids = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    system = ids(shape["system"])
-    chats = [list(system) for _ in range(shape["convs"])]
-    params = SamplingParams(temperature=0, max_tokens=shape["reply"], ignore_eos=True)
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))  # warm-up (ids < 10: shares nothing)
-    rows, history = [], []
-    for turn in range(shape["turns"]):
-        with console.status(f"{policy}: turn {turn + 1} of {shape['turns']}"):
-            for c, chat in enumerate(chats):
-                chat += ids(shape["user"])
-                ideal = max([min(common_prefix(chat, h), len(chat) - 1) for h in history] or [0])
-                out = llm.generate([list(chat)], params)[0]
-                cached = out.num_cached_tokens or 0
-                rows.append(dict(turn=turn + 1, conv=c, prompt=len(chat), ideal=ideal, cached=cached,
-                                 ttft=out.metrics["time_to_first_token"], reply=out.token_ids))
-                chat += out.token_ids
-                history.append(list(chat))
-    del llm
+    return llm
+
+
+def run_policies(path, shape: dict, seed: int, console) -> list[dict]:
+    """Every prompt of the workload through every policy's engine, one right after the other (a load
+    that drifts on a shared machine then weighs on all policies alike); rows per policy."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvstate.engine.params import SamplingParams
+
+    with console.status("loading one engine per policy"):
+        engines = {p: make_engine(path, p, shape) for p in POLICIES}
+    rng = random.Random(seed)
+    system = [rng.randrange(10, engines["off"].plan.vocab_size) for _ in range(shape["system"])]
+    params = SamplingParams(temperature=0, max_tokens=shape["reply"], ignore_eos=True)
+    rows: dict[str, list] = {p: [] for p in POLICIES}
+    bar = Progress(TextColumn("prompts, each through every policy"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=console, transient=True)
+    task = bar.add_task("prompts", total=shape["convs"] * shape["turns"])
+    with bar:
+        _workload(engines, shape, rng, system, params, rows, bar, task)
+    del engines
     gc.collect()
-    return {"policy": policy, "rows": rows}
+    return [{"policy": p, "rows": r} for p, r in rows.items()]
+
+
+def _workload(engines: dict, shape: dict, rng, system, params, rows: dict, bar, task) -> None:
+    from kvstate.errors import KvstateError
+
+    vocab = engines["off"].plan.vocab_size
+    ids = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    chats = [list(system) for _ in range(shape["convs"])]
+    history: list[list[int]] = []
+    for turn in range(shape["turns"]):
+        for c, chat in enumerate(chats):
+            chat += ids(shape["user"])
+            ideal = max([min(common_prefix(chat, h), len(chat) - 1) for h in history] or [0])
+            replies = []
+            for policy, llm in engines.items():
+                out = llm.generate([list(chat)], params)[0]
+                rows[policy].append(dict(turn=turn + 1, conv=c, prompt=len(chat), ideal=ideal,
+                                         cached=out.num_cached_tokens or 0,
+                                         ttft=out.metrics["time_to_first_token"], reply=out.token_ids))
+                replies.append(out.token_ids)
+            if any(r != replies[0] for r in replies):
+                raise KvstateError("bench prefix: the policies' replies differ (prefix caching must be exact)")
+            chat += replies[0]
+            history.append(list(chat))
+            bar.advance(task)
 
 
 def summarize(result: dict) -> dict:
@@ -109,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
     from kvstate.bench.timing import start
-    from kvstate.errors import KvstateError
 
     console, _ = start(args)
     shape = SHAPES["quick" if args.quick else "full"]
@@ -118,10 +146,7 @@ def run(args: argparse.Namespace) -> int:
             path, hf = qwen3_5_checkpoint("quick" if args.quick else "0.5b", tmp)
             del hf
         started = time.perf_counter()
-        results = [run_policy(path, p, shape, args.seed, console) for p in POLICIES]
-    replies = [[r["reply"] for r in res["rows"]] for res in results]
-    if any(r != replies[0] for r in replies):
-        raise KvstateError("bench prefix: the policies' replies differ (prefix caching must be exact)")
+        results = run_policies(path, shape, args.seed, console)
     table = [summarize(res) for res in results]
     off = table[0]
     for row in table:
