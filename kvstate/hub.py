@@ -3,7 +3,8 @@
     resolve_checkpoint("Qwen/Qwen3.5-0.8B") -> Path of the cached snapshot directory
     resolve_config("Qwen/Qwen3.5-0.8B")     -> Path of its config.json (only that file is fetched)
 
-An existing local file or directory is used as is. Anything else is looked up through
+An existing local file or directory is used as is; a shipped model's name
+(`kvstate-phonebook-hybrid`, kvstate.shipped) is its directory in the package. Anything else is looked up through
 `huggingface_hub`, as transformers does: the local cache when offline (HF_HUB_OFFLINE=1 or no
 network), a download into that cache when online. Every failure is one KvstateError line.
 No torch; huggingface_hub is imported only when a hub id is actually resolved.
@@ -42,6 +43,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.exists():
         return path
+    if (shipped := _shipped(name_or_path)) is not None:
+        return shipped
     repo_id = _repo_id(os.fspath(name_or_path))
     from huggingface_hub import snapshot_download
 
@@ -53,10 +56,21 @@ def resolve_config(name_or_path: str | os.PathLike) -> Path:
     path = Path(name_or_path)
     if path.exists():
         return path
+    if (shipped := _shipped(name_or_path)) is not None:
+        return shipped / "config.json"
     repo_id = _repo_id(os.fspath(name_or_path))
     from huggingface_hub import hf_hub_download
 
     return Path(_call_hub(repo_id, lambda: hf_hub_download(repo_id, "config.json")))
+
+
+def _shipped(name: str | os.PathLike) -> Path | None:
+    """A shipped model's directory; its name without its weights is one line saying how to get them."""
+    from kvstate.shipped import SHIPPED, model_path
+
+    if os.fspath(name).strip().lower() not in SHIPPED:
+        return None
+    return model_path(os.fspath(name))
 
 
 def _repo_id(text: str) -> str:

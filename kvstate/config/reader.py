@@ -33,14 +33,20 @@ BUNDLED: tuple[str, ...] = (
 
 
 def bundled_names() -> list[str]:
-    return list(BUNDLED)
+    """The bundled configs, then the shipped trained models present (kvstate.shipped)."""
+    from kvstate.shipped import available
+
+    return list(BUNDLED) + available()
 
 
 def bundled_path(name: str) -> Path | None:
-    """The bundled config for a short name (case-insensitive), or None."""
+    """The bundled config (or a shipped model's config.json) for a short name (case-insensitive), or None."""
     key = name.strip().lower()
     if key not in BUNDLED:
-        return None
+        from kvstate.shipped import shipped_path
+
+        shipped = shipped_path(key)
+        return None if shipped is None else shipped / "config.json"
     return Path(str(resources.files("kvstate") / "data" / "configs" / f"{key}.json"))
 
 
@@ -91,7 +97,7 @@ def _label(path: Path, name: str | None) -> str:
     """How errors name the config: a bundled short name, or the file (a hub id with its file)."""
     if name is None:
         return str(path)
-    return name if name in BUNDLED else f"{name}/{path.name}"
+    return name if name in bundled_names() else f"{name}/{path.name}"
 
 
 def _default_name(path: Path, resolved_name: str | None, data: Mapping[str, Any]) -> str:

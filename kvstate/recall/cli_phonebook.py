@@ -1,0 +1,107 @@
+"""`kvstate recall phonebook --model PATH|NAME`: exact recall against book size, through the engine.
+
+Runs `phonebook_eval.phonebook_curve` on any loadable checkpoint with a tokenizer (a directory,
+a hub id, or a shipped model's name; default: kvstate-phonebook-hybrid) and prints a table of
+accuracy, prompt length, KV bytes and state bytes per book size; `--plot FILE` draws the curve,
+`--json` prints the rows (keys: entries, prompt_tokens, accuracy, kv_bytes, state_bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_SIZES = "4,8,16,32,64"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH_OR_NAME",
+                        help="checkpoint directory, hub id or shipped model name (default: kvstate-phonebook-hybrid)")
+    parser.add_argument("--entries", default=DEFAULT_SIZES, metavar="N,N,...",
+                        help=f"book sizes (default: {DEFAULT_SIZES})")
+    parser.add_argument("--queries", type=int, default=32, metavar="N", help="books (one question each) per size (default: 32)")
+    parser.add_argument("--digits", type=int, default=4, metavar="N", help="digits per number (default: 4)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the books (default: 0)")
+    parser.add_argument("--plot", metavar="FILE", default=None, help="write accuracy vs book size (.png or .svg)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON (no progress bar)")
+
+
+def parse_sizes(text: str) -> list[int]:
+    from kvstate.errors import KvstateError
+
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvstateError(f"--entries: expected comma-separated book sizes, got {text!r}") from None
+    if not sizes or any(not 1 <= s <= 520 for s in sizes):
+        raise KvstateError(f"--entries: book sizes from 1 to 520, got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstate.commands.console import make_console
+    from kvstate.errors import KvstateError
+    from kvstate.hub import resolve_checkpoint
+    from kvstate.shipped import DEFAULT_MODEL
+
+    sizes = parse_sizes(args.entries)
+    if args.queries < 1 or not 1 <= args.digits <= 12:
+        raise KvstateError("--queries must be positive and --digits from 1 to 12")
+    name = args.model or DEFAULT_MODEL
+    path = resolve_checkpoint(name)
+    if not (path / "tokenizer.json").is_file():
+        raise KvstateError(f"{name}: no tokenizer.json (the phonebook test writes and reads text)")
+    from kvstate.engine.llm import LLM
+    from kvstate.recall.phonebook_eval import phonebook_curve, plot_curve
+
+    console = make_console(stderr=True)
+    llm = LLM(path, seed=args.seed)
+    try:
+        with _bar(console, len(sizes), enabled=not args.json) as advance:
+            rows = phonebook_curve(llm, sizes, queries=args.queries, seed=args.seed, digits=args.digits,
+                                   progress=advance)
+    finally:
+        llm.close()
+    if args.plot:
+        plot_curve({str(name): rows}, args.plot)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _table(make_console(), str(name), rows, args.plot)
+    return 0
+
+
+def _bar(console, total: int, *, enabled: bool):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def bar():
+        if not enabled or not console.is_terminal:
+            yield lambda entries: None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        with Progress(TextColumn("phonebook"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[at]}"),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("sizes", total=total, at="")
+            yield lambda entries: progress.update(task, advance=1, at=f"{entries} entries done")
+
+    return bar()
+
+
+def _table(console, name: str, rows: list[dict], plot: str | None) -> None:
+    from rich.table import Table
+
+    from kvstate.memory import format_bytes
+
+    table = Table(title=f"phonebook recall of {name} (greedy, through the engine)")
+    for col in ("entries", "prompt tokens", "exact answers", "KV cache", "state"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["entries"]), str(r["prompt_tokens"]), f"{r['accuracy']:.0%}",
+                      format_bytes(r["kv_bytes"]), format_bytes(r["state_bytes"]))
+    console.print(table)
+    if plot:
+        console.print(f"plot written to {plot}")

@@ -1,0 +1,122 @@
+"""`kvstate recall train-default`: train the two shipped models (kvstate-phonebook-hybrid and -linear).
+
+The two models train at once, each in its own process on one CPU thread (tiny matrices gain
+nothing from a second thread; two processes use both cores fully), seeded, so a rerun gives the
+same weights. A rich progress bar per model shows its running loss and exact-answer accuracy;
+at the end a table gives each model's phonebook accuracy at 4 to 64 entries (teacher-forced
+argmax, which equals greedy decoding). The checkpoints go to the package's
+kvstate/data/models/<name>/ unless `--out DIR` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", metavar="DIR", default=None,
+                        help="write <DIR>/<name>/ (default: the package's kvstate/data/models)")
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps per model (default: the recipe's)")
+    parser.add_argument("--only", choices=("hybrid", "linear"), default=None, help="train one of the two models")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print the accuracies as JSON (no progress bar)")
+
+
+def _worker(name: str, recipe, out: str, queue) -> None:
+    import torch
+
+    from kvstate.recall.train_default import train_default
+
+    torch.set_num_threads(1)
+    try:
+        results = train_default(Path(out), recipe, names=(name,),
+                                on_step=lambda n, i, loss, acc: queue.put(("step", n, i, loss, acc)))
+        queue.put(("done", name, results[name]))
+    except BaseException as exc:  # reported by the parent as one line
+        queue.put(("error", name, f"{type(exc).__name__}: {exc}"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import multiprocessing as mp
+
+    from kvstate.commands.console import make_console
+    from kvstate.errors import KvstateError
+    from kvstate.recall.train_default import LAYERS, DefaultRecipe
+    from kvstate.shipped import models_dir
+
+    recipe = DefaultRecipe(seed=args.seed)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise KvstateError(f"--steps: must be positive, got {args.steps}")
+        recipe = replace(recipe, train=replace(recipe.train, steps=args.steps))
+    names = [n for n in LAYERS if args.only is None or n.endswith(args.only)]
+    out = Path(args.out) if args.out else models_dir()
+    console = make_console()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(n, recipe, str(out), queue), daemon=True) for n in names]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    with _progress(console, names, recipe.train.steps, enabled=not args.json) as update:
+        while len(results) + len(errors) < len(names):
+            msg = queue.get()
+            if msg[0] == "step":
+                update(*msg[1:])
+            elif msg[0] == "done":
+                results[msg[1]] = msg[2]
+            else:
+                errors[msg[1]] = msg[2]
+    for p in procs:
+        p.join()
+    if errors:
+        name, text = next(iter(errors.items()))
+        raise KvstateError(f"training {name} failed: {text}")
+    if args.json:
+        json.dump({n: {str(e): a for e, a in r.items()} for n, r in results.items()}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _table(console, results, out)
+    return 0
+
+
+def _progress(console, names, steps, *, enabled: bool):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def bar():
+        if not enabled:
+            yield lambda *a: None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.3f}  acc {task.fields[acc]:.2f}"), TimeRemainingColumn(),
+                      console=console) as progress:
+            tasks = {n: progress.add_task(n, total=steps, loss=float("nan"), acc=0.0) for n in names}
+
+            def update(name, i, loss, acc):
+                acc = acc if acc == acc else progress.tasks[tasks[name]].fields["acc"]  # nan: no phonebook in batch
+                progress.update(tasks[name], completed=i + 1, loss=loss, acc=acc)
+
+            yield update
+
+    return bar()
+
+
+def _table(console, results, out: Path) -> None:
+    from rich.table import Table
+
+    entries = sorted({e for r in results.values() for e in r})
+    table = Table(title="phonebook accuracy (exact answer) by book size")
+    table.add_column("model")
+    for e in entries:
+        table.add_column(f"{e} entries", justify="right")
+    for name, r in results.items():
+        table.add_row(name, *(f"{r[e]:.0%}" for e in entries))
+    console.print(table)
+    console.print(f"saved under {out}")
