@@ -6,7 +6,11 @@ matrices in `--weight-dtype` (default: the checkpoint's), activations fp32; tran
 Decode speed is measured the same way for both: the time of generating N tokens minus the time
 of generating 1 (prefill + first token), over N - 1 steps. Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
-and its KV so far; GB/s is reported against the machine's measured memory bandwidth.
+and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` of 1 GiB on the
+same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes
+(`kvstate.bench.step_profile`), and `--llama-bench BIN --gguf FILE [--gguf FILE2]` runs llama.cpp's
+llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
+prefill and decode beside ours, with ratios.
 """
 
 from __future__ import annotations
@@ -27,7 +31,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32; quick 8)")
     parser.add_argument("--prefill-len", type=int, default=None, help="prompt of the prefill measurement (default 512)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    parser.add_argument("--profile", nargs="?", const="1", default=None, metavar="BATCHES",
+                        help="time the parts of a decode step at these batch sizes (default 1)")
+    parser.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench binary")
+    parser.add_argument("--gguf", metavar="FILE", action="append", default=[],
+                        help="the same model as GGUF for --llama-bench (repeatable: f32, bf16, ...)")
+    parser.add_argument("--llama-gen", type=int, default=64, help="llama-bench's decode tokens, -n (default 64)")
     add_weight_dtype(parser)
+
+
+def _check_llama_args(args) -> None:
+    """--llama-bench and --gguf come together and name files: one clear line before any work."""
+    from pathlib import Path
+
+    from kvstate.errors import KvstateError
+
+    if bool(args.llama_bench) != bool(args.gguf):
+        raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
+    for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
+        if path and not Path(path).is_file():
+            raise KvstateError(f"{what} {path}: no such file")
 
 
 def weight_bytes(model) -> int:
@@ -85,12 +108,15 @@ def run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
-    from rich.table import Table
 
-    from kvstate.bench.timing import start
+    from kvstate.bench.timing import measure_read_bandwidth, start
     from kvstate.engine.params import SamplingParams
 
+    _check_llama_args(args)
+    profile_batches = [int(b) for b in args.profile.split(",")] if args.profile else []
     console, limits = start(args)
+    with console.status("measuring the read bandwidth (sum of 1 GiB)"):
+        read_bw = measure_read_bandwidth(0.125 if args.quick else 1.0)
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
     prefill_len = args.prefill_len or (128 if args.quick else 512)
@@ -134,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 tn = fn(prompts, new)
             step = max(tn - t1, 1e-9) / (new - 1)
             rows.append(dict(impl=name, phase="decode", batch=b, tokens_per_s=b / step, ms_per_step=1e3 * step,
-                             gbps=step_bytes / step / 1e9, bandwidth_fraction=step_bytes / step / limits.bandwidth))
+                             gbps=step_bytes / step / 1e9, bandwidth_fraction=step_bytes / step / read_bw))
     prompt = [torch.randint(0, vocab, (prefill_len,), generator=g).tolist()]
     for name, fn in sides:
         with console.status(f"prefill {prefill_len}: {name}"):
@@ -142,31 +168,79 @@ def run(args: argparse.Namespace) -> int:
         rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=prefill_len / t, ms_per_step=1e3 * t,
                          gbps=None, bandwidth_fraction=None))
     speed = {(r["impl"], r["phase"], r["batch"]): r["tokens_per_s"] for r in rows}
+    profiles = {}
+    for b in profile_batches:
+        from kvstate.bench.step_profile import profile_decode
+
+        with console.status(f"profiling decode steps at batch {b}"):
+            prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
+            profiles[b] = profile_decode(llm, prompts, max(new - 1, 2))
+    llama_rows, vs_llama = [], {}
+    if args.llama_bench:
+        from kvstate.bench.llama_cpp import compare
+
+        with console.status("llama.cpp: llama-bench"):
+            llama_rows, vs_llama = compare(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
+                                           prompt=prefill_len, gen=args.llama_gen,
+                                           embedding_params=vocab * llm.plan.hidden_size,
+                                           decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
+                                           prefill=speed[("kvstate", "prefill", 1)])
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers"}
     scaling = speed[("kvstate", "decode", max(batches))] / speed[("kvstate", "decode", min(batches))]
     wdtype = str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
-                  prompt_tokens=plen, new_tokens=new, weight_bytes=wbytes,
+                  prompt_tokens=plen, new_tokens=new, prefill_tokens=prefill_len, llama_gen=args.llama_gen,
+                  weight_bytes=wbytes,
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
-                               threads=torch.get_num_threads()),
-                  rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling)
+                               read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads()),
+                  rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
+                  step_profile={str(b): p for b, p in profiles.items()}, llama_cpp=llama_rows, vs_llama_cpp=vs_llama)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    console.print(f"{result['model']}; prompts {plen} tokens, {new} new; weights {wdtype}, "
-                  f"activations fp32, {torch.get_num_threads()} threads; "
-                  f"machine: bandwidth {limits.bandwidth / 1e9:.1f} GB/s, fp32 GEMM {limits.gemm_flops / 1e9:.1f} "
-                  f"GFLOP/s", soft_wrap=True)
+    show(console, result)
+    return 0
+
+
+def show(console, result: dict) -> None:
+    """The human form of `result` (what --json prints): one table of every row, ours and llama.cpp's,
+    the ratios, then the decode-step breakdown."""
+    from rich.table import Table
+
+    m = result["machine"]
+    console.print(f"{result['model']}; prompts {result['prompt_tokens']} tokens, {result['new_tokens']} new; "
+                  f"weights {result['weight_dtype']}, activations fp32, {m['threads']} threads; machine: read "
+                  f"{m['read_bandwidth_gbps']:.1f} GB/s (sum of 1 GiB), copy {m['bandwidth_gbps']:.1f} GB/s, "
+                  f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s", soft_wrap=True)
     table = Table(title="kvstate bench engine")
-    for col in ("impl", "phase", "batch", "tokens/s", "ms/step", "GB/s", "% BW"):
+    for col in ("impl", "phase", "batch", "tokens/s", "ms/step", "GB/s", "% read BW"):
         table.add_column(col, justify="left" if col in ("impl", "phase") else "right")
-    for r in rows:
-        table.add_row(r["impl"], r["phase"], str(r["batch"]), f"{r['tokens_per_s']:,.1f}", f"{r['ms_per_step']:.1f}",
+    for r in result["rows"]:
+        impl = r["impl"] if r["impl"] != "kvstate" else f"kvstate {result['weight_dtype']}"
+        table.add_row(impl, r["phase"], str(r["batch"]), f"{r['tokens_per_s']:,.1f}", f"{r['ms_per_step']:.1f}",
                       f"{r['gbps']:.1f}" if r["gbps"] else "-",
                       f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] else "-")
+    for r in result["llama_cpp"]:
+        decode = r["test"].startswith("tg")
+        gbps = r["streamed_bytes"] * r["tokens_per_s"] / 1e9 if decode else None
+        table.add_row(f"llama.cpp {r['gguf']}", "decode" if decode else "prefill", "1", f"{r['tokens_per_s']:,.1f}",
+                      f"{1e3 / r['tokens_per_s'] * (1 if decode else int(r['test'][2:])):.1f}",
+                      f"{gbps:.1f}" if gbps else "-",
+                      f"{100 * gbps / m['read_bandwidth_gbps']:.0f}%" if gbps else "-")
     console.print(table)
-    for k, v in ratios.items():
+    for k, v in result["speedup_vs_transformers"].items():
         console.print(f"kvstate / transformers, {k}: {v:.2f}x")
-    console.print(f"kvstate decode throughput, batch {max(batches)} / batch {min(batches)}: {scaling:.1f}x")
-    return 0
+    batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})
+    console.print(f"kvstate decode throughput, batch {batches[-1]} / batch {batches[0]}: "
+                  f"{result['decode_scaling']:.1f}x")
+    if result["llama_cpp"]:
+        r = result["llama_cpp"][0]
+        console.print(f"llama.cpp: llama-bench -t {r['threads']} -p {result['prefill_tokens']} "
+                      f"-n {result['llama_gen']}")
+    for k, v in result["vs_llama_cpp"].items():
+        console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}: {v:.2f}x")
+    if result["step_profile"]:
+        from kvstate.bench.step_profile import profile_table
+
+        console.print(profile_table(result["step_profile"], result["weight_bytes"]))

@@ -44,6 +44,16 @@ def measure_machine(size: int = 2048, copy_mib: int = 256) -> MachineLimits:
     return MachineLimits(gemm_flops=gemm, bandwidth=bandwidth)
 
 
+def measure_read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a plain read: `sum` of a `gib` GiB fp32 tensor on torch's threads (the rate a decode
+    step that streams its weights once can reach; no write traffic counted, unlike the copy above)."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)  # filled: every page is mapped before the timing
+    t = time_fn(lambda: x.sum(), warmup=1, min_time=0.5, max_iters=10)
+    return x.numel() * 4 / t
+
+
 # What transformers says when it runs its pure-PyTorch fallbacks: the benchmarks measure exactly
 # those on purpose (they are the bar to beat), so the warning is expected noise there.
 EXPECTED_WARNINGS = ("is falling back to its reference PyTorch implementation", "fast path is not available")

@@ -1,0 +1,119 @@
+"""`kvstate bench engine --llama-bench`: llama-bench's JSON parsed and printed beside ours (a fake
+llama-bench stands in, so no llama.cpp build is needed), and `--profile`'s decode-step breakdown."""
+
+import json
+import stat
+import sys
+
+import io
+
+import pytest
+from rich.console import Console
+
+from kvstate.bench.engine import show
+from kvstate.bench.llama_cpp import parse_results, run_llama_bench
+from kvstate.cli import main
+from kvstate.errors import KvstateError
+
+# llama-bench -o json prints one object per test; these are the fields kvstate reads (and a few more)
+FAKE = """#!{python}
+import json, sys
+args = sys.argv[1:]
+open({log!r}, "w").write(json.dumps(args))
+if {fail}:
+    print("error: failed to load model", file=sys.stderr)
+    sys.exit(1)
+opt = dict(zip(args[::2], args[1::2]))
+tests = [(int(opt["-p"]), 0, 173.5), (0, int(opt["-n"]), 25.25)]
+print(json.dumps([dict(model_filename=opt["-m"], model_type="qwen35 ?B BF16", model_size=1123456789,
+                       model_n_params=561000000, n_threads=int(opt["-t"]), n_prompt=p, n_gen=n, n_depth=0,
+                       avg_ns=1, stddev_ns=0, avg_ts=ts, stddev_ts=0.5, samples_ts=[ts]) for p, n, ts in tests],
+                 indent=2))
+"""
+
+
+def fake_llama_bench(tmp_path, fail=False):
+    path = tmp_path / "llama-bench"
+    path.write_text(FAKE.format(python=sys.executable, log=str(tmp_path / "args.json"), fail=fail))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    gguf = tmp_path / "model-bf16.gguf"
+    gguf.write_bytes(b"GGUF")
+    return str(path), str(gguf)
+
+
+def test_parse_results_names_prefill_and_decode_tests():
+    text = json.dumps([dict(n_prompt=512, n_gen=0, avg_ts=103.0, stddev_ts=1.0, model_type="qwen35 F32",
+                            model_size=10, n_threads=2),
+                       dict(n_prompt=0, n_gen=64, avg_ts=11.5, stddev_ts=0.1, model_type="qwen35 F32",
+                            model_size=10, n_threads=2)])
+    rows = parse_results(text)
+    assert [(r.test, r.tokens_per_s, r.threads) for r in rows] == [("pp512", 103.0, 2), ("tg64", 11.5, 2)]
+
+
+@pytest.mark.parametrize("text, message", [("not json", "no JSON"), ("[]", "no test results"),
+                                           ('[{"n_prompt": 1}]', "n_gen")])
+def test_parse_results_errors_are_one_line(text, message):
+    with pytest.raises(KvstateError, match=message):
+        parse_results(text)
+
+
+def test_run_llama_bench_passes_the_options_and_reports_failures(tmp_path):
+    binary, gguf = fake_llama_bench(tmp_path)
+    rows = run_llama_bench(binary, gguf, threads=2, prompt=512, gen=64)
+    assert json.loads((tmp_path / "args.json").read_text()) == ["-m", gguf, "-t", "2", "-p", "512", "-n", "64",
+                                                                "-o", "json"]
+    assert {r.test: r.tokens_per_s for r in rows} == {"pp512": 173.5, "tg64": 25.25}
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    binary, gguf = fake_llama_bench(bad_dir, fail=True)
+    with pytest.raises(KvstateError, match="exited with 1: error: failed to load model"):
+        run_llama_bench(binary, gguf)
+
+
+def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, tmp_path):
+    binary, gguf = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "1,2", "--prompt-len", "6",
+                 "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--profile", "1,2",
+                 "--llama-bench", binary, "--gguf", gguf, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "args.json").read_text())[2:] == ["-t", "1", "-p", "12", "-n", "64", "-o", "json"]
+    assert [(r["test"], r["tokens_per_s"]) for r in out["llama_cpp"]] == [("pp12", 173.5), ("tg64", 25.25)]
+    ours = {(r["phase"], r["batch"]): r["tokens_per_s"] for r in out["rows"]}
+    ratios = out["vs_llama_cpp"]
+    assert ratios["decode b=1 vs model-bf16.gguf tg64"] == pytest.approx(ours[("decode", 1)] / 25.25)
+    assert ratios["prefill vs model-bf16.gguf pp12"] == pytest.approx(ours[("prefill", 1)] / 173.5)
+    assert out["machine"]["read_bandwidth_gbps"] > 0
+    assert all(0 < r["bandwidth_fraction"] for r in out["rows"] if r["phase"] == "decode")
+    for b in ("1", "2"):
+        prof = out["step_profile"][b]
+        # every timed part ran; the "other" parts are remainders, so a part counted twice shows as < 0
+        assert all(prof["parts"][p] > 0 for p in ("linear", "recurrent", "conv", "attention", "norm", "sampling"))
+        assert all(v >= 0 for v in prof["parts"].values()), prof
+        assert sum(prof["parts"].values()) == pytest.approx(prof["step_s"])
+    # the human form of the same result: llama.cpp's rows in our table, the ratios, the breakdown
+    console = Console(file=io.StringIO(), width=200)
+    show(console, out)
+    text = console.file.getvalue()
+    assert "llama.cpp model-bf16.gguf" in text and "25.2" in text and "173.5" in text
+    assert "llama-bench -t 1 -p 12 -n 64" in text and "decode b=1 vs model-bf16.gguf tg64" in text
+    assert "decode step breakdown" in text and "weights streamed" in text
+
+
+def test_bench_engine_llama_arguments_are_checked_first(capsys, tmp_path):
+    assert main(["bench", "engine", "--quick", "--gguf", str(tmp_path / "x.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "--llama-bench and --gguf go together" in err and err.count("\n") == 1
+    binary, _ = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--quick", "--llama-bench", binary, "--gguf", str(tmp_path / "missing")]) == 2
+    assert "--gguf" in capsys.readouterr().err
+
+
+def test_profile_timers_are_removed_afterwards():
+    from kvstate.bench.step_profile import timed
+    from kvstate.kernels import fused
+    from kvstate.layers import recurrence
+
+    before = (fused.linear, recurrence._RUN["decode"], recurrence._decode)
+    with timed({}):
+        assert fused.linear is not before[0] and recurrence._RUN["decode"] is not before[1]
+    assert (fused.linear, recurrence._RUN["decode"], recurrence._decode) == before
