@@ -94,10 +94,11 @@ class EngineCore:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
                  snapshot_interval: int | None = 512, prefix_eviction: str = "marconi", prefix_align: int = 1,
-                 num_snapshot_slots: int | None = None, speculative_config=None):
+                 num_snapshot_slots: int | None = None, speculative_config=None, runner_class=None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.spec`)."""
+        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.spec`).
+        `runner_class`: ModelRunner by default; tensor parallelism's rank-0 runner (kvstate.parallel.engine)."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
 
@@ -127,9 +128,9 @@ class EngineCore:
             tokens = max(0, left) // (spec.kv_bytes_per_token + per_token) if spec.kv_bytes_per_token else \
                 max_num_seqs * max_model_len  # no target KV: the draft holds full-length requests
             self.draft_cache_bytes = fixed + tokens * per_token
-        self.runner = ModelRunner(model, plan, cache_bytes=cache_memory - self.draft_cache_bytes, block_size=block_size,
-                                  num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window,
-                                  seed=seed)
+        self.runner = (runner_class or ModelRunner)(
+            model, plan, cache_bytes=cache_memory - self.draft_cache_bytes, block_size=block_size,
+            num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window, seed=seed)
         sizes = self.runner.sizes
         # a model without KV layers has block ids for bookkeeping only; with KV layers the pool caps the length
         self.max_model_len = min(max_model_len, sizes.num_blocks * block_size)

@@ -31,16 +31,25 @@ class LLM:
                  conv_window: str = "kernel", seed: int | None = None, load_progress=None,
                  enable_prefix_caching: bool = False, snapshot_interval: int | None = 512,
                  prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
-                 speculative_config: dict | None = None, weight_dtype: str | None = None):
+                 speculative_config: dict | None = None, weight_dtype: str | None = None,
+                 tensor_parallel_size: int = 1):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
         (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru").
-        `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices."""
+        `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices.
+        `tensor_parallel_size` N > 1: the model and its caches sharded over N processes (this one and
+        N - 1 it spawns, gloo on 127.0.0.1; or torchrun's); `cache_memory` is then per process."""
         from kvstate.hub import resolve_checkpoint
         from kvstate.models.loader import load_model
 
         path = resolve_checkpoint(model)
-        module, plan = load_model(path, progress=load_progress, weight_dtype=weight_dtype)
+        runner_class = None
+        if tensor_parallel_size != 1:
+            from kvstate.parallel.engine import start
+
+            module, plan, runner_class = start(path, tensor_parallel_size, weight_dtype=weight_dtype)
+        else:
+            module, plan = load_model(path, progress=load_progress, weight_dtype=weight_dtype)
         tokenizer = None
         if (path / "tokenizer.json").exists():
             from kvstate.models.tokenizer import Tokenizer
@@ -51,7 +60,8 @@ class LLM:
                                  max_model_len=max_model_len, conv_window=conv_window, seed=seed,
                                  enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
                                  prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
-                                 prefix_align=prefix_align, speculative_config=speculative_config)
+                                 prefix_align=prefix_align, speculative_config=speculative_config,
+                                 runner_class=runner_class)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
 
@@ -65,6 +75,12 @@ class LLM:
 
     def cache_bytes_in_use(self) -> dict[str, int]:
         return self.engine.cache_bytes_in_use()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also when the program exits)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> dict:
         """The engine's counters now: requests, pool occupancy and, with prefix caching, the prompt

@@ -4,7 +4,9 @@
 an `LLM(..., tensor_parallel_size=N)` leaves the caller's process state alone. Every collective
 waits at most `timeout` seconds: a rank that died makes the others raise `RankFailure` (a
 KvstateError naming the operation), never hang. Objects (the step data) travel pickled in a
-uint8 tensor: its length first, then the bytes.
+uint8 tensor: its length first, then the bytes, over a second group whose timeout is long: a
+worker waits for rank 0's next step as long as the engine idles (a dead peer still fails at once:
+gloo sees its connection close).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from kvstate.errors import KvstateError
 
 DEFAULT_TIMEOUT = 60.0  # seconds any collective may wait for the other ranks
+IDLE_TIMEOUT = 7 * 24 * 3600.0  # seconds a worker may wait for rank 0's next step (a server may idle)
 
 
 class RankFailure(KvstateError):
@@ -41,7 +44,9 @@ class TPGroup:
         wait = timedelta(seconds=timeout)
         try:
             self.store = dist.TCPStore(host, port, size, rank == 0, timeout=wait)
-            self.pg = dist.ProcessGroupGloo(self.store, rank, size, wait)
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("step", self.store), rank, size, wait)
+            self.ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", self.store), rank, size,
+                                             timedelta(seconds=IDLE_TIMEOUT))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise RankFailure(f"TP rank {rank}: could not join the {size} ranks at {host}:{port} within "
                               f"{timeout:g} s ({str(exc).splitlines()[0][:160]})") from None
@@ -77,10 +82,10 @@ class TPGroup:
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.pg.broadcast([size], 0), "broadcast")
+        self._wait(self.ctl.broadcast(size, 0), "broadcast")
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.pg.broadcast([data], 0), "broadcast")
+        self._wait(self.ctl.broadcast(data, 0), "broadcast")
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def barrier(self) -> None:
