@@ -23,3 +23,11 @@ def serve(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
         pools[path] = worker_loop(group, model).pool_bytes
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(pools, f)
+
+
+def join_and_die(rank: int, size: int, port: int) -> None:
+    """A rank that joins the group and dies before the first collective (as if killed)."""
+    from kvstate.parallel.comm import TPGroup
+
+    TPGroup(rank, size, port, timeout=20)
+    os._exit(9)
