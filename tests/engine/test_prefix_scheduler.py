@@ -161,3 +161,26 @@ def test_eviction_policy_weighs_saved_compute_against_recency(policy):
     (kept,) = cache.snapshots.values()
     # LRU drops the older long prefix; Marconi keeps it: 40 tokens of prefill saved for the same bytes
     assert kept.num_tokens == (4 if policy == "lru" else 40)
+
+
+def test_marconi_evicts_a_snapshot_on_the_way_to_one_longer_one_before_a_branch_point():
+    """Snapshots at 8 (a shared system prompt: two conversations leave it) and at 16 and 24 of one
+    conversation: 16 only leads to 24, so it goes first although it is the newer and saves more."""
+    bm, sm = BlockManager(32, 4), SlotManager(4)
+    cache = PrefixCache(bm, sm, policy="marconi", flops_per_token=1.0, slot_bytes=100, alpha=1.0)
+    system = list(range(1, 9))
+    first, second = system + list(range(20, 36)), system + [90, 91, 92, 93]
+
+    def add(tokens, p, now):
+        chain = block_hashes(tokens, 4)
+        table = bm.allocate(len(chain))
+        for blk, h in zip(table, chain):
+            bm.register(blk, h)
+        cache.add(tokens, p, chain, table, sm.allocate(), now)
+
+    add(first, 8, 1.0)
+    add(second, 12, 2.0)
+    add(first, 16, 3.0)
+    add(first, 24, 0.5)
+    cache.evict_one()
+    assert sorted(s.num_tokens for s in cache.snapshots.values()) == [8, 12, 24]
