@@ -1,5 +1,5 @@
 """Command-line options shared by the commands that run the engine (generate, serve, the benchmarks):
-argument types, the weight dtype, the cache budget and length, and speculative decoding."""
+argument types, the weight dtype, the cache budget and length, speculative decoding, tensor parallelism."""
 
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def weight_dtype_arg(text: str) -> str:
 def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-dtype", type=weight_dtype_arg, default=None, metavar="DTYPE",
                         help="keep the weight matrices in bf16 or fp32; math stays fp32 (default: the checkpoint's)")
+
+
+def add_tp_arg(parser: argparse.ArgumentParser) -> None:
+    """--tp N: tensor parallelism over N processes (gloo on CPU, spawned on 127.0.0.1, or torchrun's)."""
+    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+                        help="shard the model and its caches over N processes (tensor parallelism; default: 1); "
+                             "--cache-memory is then per process")
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:

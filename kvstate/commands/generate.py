@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 from kvstate.commands.engine_args import (  # noqa: F401 (speculative_config is used by run)
-    _positive_int, add_cache_args, add_spec_args, add_weight_dtype, speculative_config)
+    _positive_int, add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
 from kvstate.errors import KvstateError
 
 
@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token (default: stop there)")
     add_cache_args(parser)
+    add_tp_arg(parser)
     parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true", dest="prefix_caching",
                         help="reuse the KV blocks and state snapshots of earlier prompts and replies that share a "
                              "prefix (the summary says how many prompt tokens came from the cache)")
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
                   load_progress=progress, speculative_config=speculative_config(args),
                   enable_prefix_caching=args.prefix_caching,
-                  weight_dtype=args.weight_dtype)
+                  weight_dtype=args.weight_dtype, tensor_parallel_size=args.tp)
     if args.chat:
         if llm.tokenizer is None:
             raise KvstateError(f"{args.model}: --chat needs a tokenizer.json")
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
+    llm.close()  # tensor-parallel worker processes, if any
     peak = llm.peak_cache_bytes
     failed = any(o.error is not None for o in outputs)
     if args.json:

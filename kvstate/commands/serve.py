@@ -14,7 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
-from kvstate.commands.engine_args import _positive_int, add_cache_args, add_spec_args, add_weight_dtype
+from kvstate.commands.engine_args import _positive_int, add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
 from kvstate.errors import KvstateError
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -40,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the --model argument's last path part)")
     add_cache_args(parser)
+    add_tp_arg(parser)
     parser.add_argument("--max-num-seqs", type=_positive_int, default=32, metavar="N",
                         help="most requests running at once (and state slots) (default: 32)")
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
@@ -126,7 +127,7 @@ def _app(args: argparse.Namespace, model):
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype,
                   enable_prefix_caching=args.enable_prefix_caching, snapshot_interval=args.snapshot_interval,
-                  speculative_config=spec)
+                  speculative_config=spec, tensor_parallel_size=args.tp)
     if args.served_model_name:
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given

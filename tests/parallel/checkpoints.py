@@ -24,7 +24,7 @@ _QWEN = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attentio
                                                     "full_attention"])
 
 
-def _model(family: str):
+def _model(family: str, vocab: int = VOCAB):
     import transformers as tf
 
     if family == "qwen3_5":
@@ -58,16 +58,16 @@ def _model(family: str):
             expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_expand=2, mamba_d_state=8,
             mamba_d_conv=4, mamba_proj_bias=True))
     if family == "dense":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                   attention_bias=True, mlp_bias=True))
     raise ValueError(family)
 
 
-def save_tiny(family: str, path, seed: int = 0):
-    """Save `family`'s tiny checkpoint into `path` (returns it)."""
+def save_tiny(family: str, path, seed: int = 0, **kwargs):
+    """Save `family`'s tiny checkpoint into `path` (returns it); kwargs: vocab (dense only)."""
     torch.manual_seed(seed)
-    hf = _model(family).eval()
+    hf = _model(family, **kwargs).eval()
     redraw_weights(hf, seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
