@@ -1,0 +1,76 @@
+"""Plots of recall runs (matplotlib, Agg): one run's training curve, and a sweep's accuracy against
+the number of pairs and against the state bytes per layer (attention drawn at its KV bytes)."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curve(result: dict, path: str) -> str:
+    """Running train loss and batch accuracy against step, held-out accuracy at each epoch's end."""
+    plt = _pyplot()
+    steps, losses, accs = zip(*result["curve"]) if result["curve"] else ((), (), ())
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    left.plot(steps, losses, lw=1)
+    left.set(xlabel="step", ylabel="train loss", title=result["name"])
+    right.plot(steps, accs, lw=1, label="train batch")
+    ev = result["eval_per_epoch"]
+    right.plot([e["step"] for e in ev], [e["accuracy"] for e in ev], "o-", label="held-out")
+    right.set(xlabel="step", ylabel="exact accuracy", ylim=(0, 1.02))
+    right.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _label(cfg: dict) -> str:
+    return f"{cfg['layers']} w{cfg['width']}" + (f" k{cfg['key_dim']}" if cfg.get("key_dim") else "")
+
+
+def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
+    """accuracy_vs_pairs.png (one line per model) and accuracy_vs_state.png (one line per layer
+    pattern and pair count) in `out_dir`; returns the paths written."""
+    plt = _pyplot()
+    paths = []
+    by_model = defaultdict(list)
+    for r in results:
+        by_model[_label(r["config"])].append((r["config"]["pairs"], r["eval_accuracy"]))
+    if any(len(v) > 1 for v in by_model.values()):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for label, pts in sorted(by_model.items()):
+            pts.sort()
+            ax.plot([p for p, _ in pts], [a for _, a in pts], "o-", label=label)
+        ax.set(xlabel="key-value pairs", ylabel="exact accuracy", ylim=(0, 1.02), xscale="log", title="recall vs pairs")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "accuracy_vs_pairs.png"))
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    by_kind = defaultdict(list)
+    for r in results:
+        size = r["state_bytes_per_layer"] or r["kv_bytes_per_layer"]
+        by_kind[(r["config"]["layers"], r["config"]["pairs"])].append((size, r["eval_accuracy"]))
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for (layers, pairs), pts in sorted(by_kind.items()):
+        pts.sort()
+        style = "s--" if set(layers) == {"A"} else "o-"
+        ax.plot([s for s, _ in pts], [a for _, a in pts], style, label=f"{layers}, {pairs} pairs")
+    ax.set(xlabel="state bytes per layer (attention: KV bytes at the sequence length)", ylabel="exact accuracy",
+           ylim=(0, 1.02), xscale="log", title="recall vs state size")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "accuracy_vs_state.png"))
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
