@@ -1,0 +1,118 @@
+"""The shipped models' training pieces on tiny sizes: tokenizer and chat data, the initial checkpoint
+(transformers' names and shapes), the trainer (loss drops, exact-answer scoring equals greedy), and
+train-default end to end on a few steps (a checkpoint transformers loads with the same logits)."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.loader import load_model
+from kvstate.models.tokenizer import Tokenizer
+from kvstate.recall.chat_data import (EOS, build_tokenizer, copy_chat, encode_chat, phonebook_chat, render,
+                                      tokenizer_config)
+from kvstate.recall.init_checkpoint import qwen3_5_config, write_initial_checkpoint
+from kvstate.recall.shipped_training import (Trainer, TrainSettings, first_answer_exact, packed_forward,
+                                             targets_of)
+from kvstate.recall.train_default import DefaultRecipe, ModelSize, train_default, write_tokenizer
+
+TINY = ModelSize(hidden_size=32, intermediate_size=48, heads=2, kv_heads=1, head_dim=16, linear_heads=2,
+                 linear_head_dim=16)
+FAST = TrainSettings(steps=3, batch=4, max_entries=4, turns=2, copy_words=(4, 8), warmup=1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def tiny_model(tmp_path, tok, layers="GA", seed=0):
+    from dataclasses import asdict
+
+    cfg = qwen3_5_config(vocab_size=tok.get_vocab_size(), layers=layers, eos_token_id=tok.token_to_id(EOS),
+                         pad_token_id=0, **asdict(TINY))
+    return load_model(write_initial_checkpoint(cfg, tmp_path / f"init-{layers}-{seed}", seed=seed))
+
+
+def test_chat_encoding_is_the_rendered_template_and_trains_only_replies(tmp_path, tok):
+    rng = np.random.default_rng(0)
+    write_tokenizer(tok, tmp_path)
+    engine_tok = Tokenizer(tmp_path)  # what the engine reads: tokenizer.json + tokenizer_config.json
+    for chat in (phonebook_chat(rng, 6, turns=3), copy_chat(rng, 12)):
+        ids, trained = encode_chat(tok, chat)
+        assert ids == engine_tok.encode(engine_tok.apply_chat_template(chat.messages, add_generation_prompt=False),
+                                        add_special_tokens=False)
+        assert ids == tok.encode(render(chat), add_special_tokens=False).ids
+        reply_text = engine_tok.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=False)
+        assert reply_text == "".join(a + EOS for a in chat.answers)
+        assert tok.token_to_id("<unk>") not in ids
+    assert engine_tok.decode(ids) == render(chat).replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert engine_tok.eos_token_ids == {tok.token_to_id(EOS)}
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == tokenizer_config()
+
+
+def test_initial_checkpoint_is_transformers_qwen3_5(tmp_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    model, plan = tiny_model(tmp_path, tok, "GGGA")
+    assert plan.model_type == "qwen3_5_text" and plan.layer_string == "GGGA"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "init-GGGA-0").eval()  # strict names and shapes
+    ids = [tok.token_to_id(t) for t in ("Alice", " Smith", ":", " 1", "2", "\n")] * 3
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = forward_logits(model, [ids])[0]
+    assert float((ours - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_exact_answer_scoring_equals_greedy_decoding(tmp_path, tok):
+    model, _ = tiny_model(tmp_path, tok, "GA", seed=3)
+    rng = np.random.default_rng(1)
+    encoded = [encode_chat(tok, phonebook_chat(rng, 3, turns=2, digits=1)) for _ in range(6)]
+    targets, owner = targets_of(encoded)
+    rows = (targets != -100).nonzero().flatten()
+    with torch.no_grad():
+        exact = first_answer_exact(packed_forward(model, [i for i, _ in encoded], rows), targets, owner, 6)
+    for k, (ids, trained) in enumerate(encoded):
+        start = trained.index(True)
+        end = start + trained[start:].index(False)  # first reply and its end marker
+        out = greedy_generate(model, ids[:start], end - start)
+        assert bool(exact[k]) == (out == ids[start:end]), k
+
+
+def test_training_loss_drops(tmp_path, tok):
+    torch.manual_seed(0)
+    model, _ = tiny_model(tmp_path, tok, "GA")
+    trainer = Trainer(model, TrainSettings(steps=40, batch=8, max_entries=3, turns=3, copy_share=0.0, warmup=5),
+                      tok, seed=0)
+    losses = [trainer.step()[0] for _ in range(40)]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = DefaultRecipe(size=TINY, train=FAST, seed=1)
+    acc = train_default(tmp_path / "a", recipe, names=("kvstate-phonebook-linear",))
+    assert set(acc["kvstate-phonebook-linear"]) == {4, 8, 16, 32, 64}
+    train_default(tmp_path / "b", recipe, names=("kvstate-phonebook-linear",))
+    a, b = (load_file(tmp_path / d / "kvstate-phonebook-linear" / "model.safetensors") for d in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # seeded: the same weights
+
+    path = tmp_path / "a" / "kvstate-phonebook-linear"
+    model, plan = load_model(path)
+    assert plan.layer_string == "GGGG"
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    text = hf_tok.apply_chat_template([{"role": "user", "content": "Alice Smith: 1234\nWhat is Alice Smith's number?"}],
+                                      tokenize=False, add_generation_prompt=True)
+    ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == Tokenizer(path).encode(text, add_special_tokens=False)
+    with torch.no_grad():  # no cache: transformers' cache needs an attention layer to count its length
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0]
+    assert float((forward_logits(model, [ids])[0] - ref).norm() / ref.norm()) < 1e-4
