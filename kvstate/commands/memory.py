@@ -35,6 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", metavar="SIZE",
                         help="GPU memory, e.g. 80GiB: requests that fit after the weights, longest context")
     parser.add_argument("--plot", metavar="FILE", help="write a log-log chart of cache vs context (.png or .svg)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor parallelism over N devices: per-device weights, KV per token and state; "
+                             "one line per model where a head count does not divide by N")
 
 
 def _load(args: argparse.Namespace):
@@ -49,6 +52,16 @@ def _load(args: argparse.Namespace):
     models = []
     for source in args.models or bundled_names():
         plan = read_plan(source)
+        if args.tp != 1:
+            from kvstate.parallel.plan import shard_plan, tp_problems
+
+            problems = tp_problems(plan, args.tp)
+            if problems:  # one line: what does not divide
+                if args.tp < 1:
+                    raise KvstateError(problems[0])
+                print(f"{plan.name}: not sharded over --tp {args.tp}: {'; '.join(problems)}", file=sys.stderr)
+                continue
+            plan = shard_plan(plan, args.tp)  # rank 0: the most vocabulary rows, so the largest device
         spec = cache_spec(plan, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype,
                           conv_dtype=args.conv_dtype, conv_window=args.conv_window)
         models.append((source, plan, spec))
@@ -59,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.memory import fit, parse_size, summary
 
     contexts, models = _load(args)
+    if not models:
+        return 2  # every model asked for failed to shard (each said why in one line)
     gpu = parse_size(args.gpu_memory) if args.gpu_memory else None
-    fits = [fit(plan, spec, gpu, contexts, source if os.path.isdir(source) else None) if gpu else None
+    fits = [fit(plan, spec, gpu, contexts, source if os.path.isdir(source) and args.tp == 1 else None) if gpu else None
             for source, plan, spec in models]
     chart = None
     if args.plot:
@@ -71,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         out = []
         for (_, plan, spec), f in zip(models, fits):
             obj = summary(plan, spec, contexts, args.batch)
+            if args.tp != 1:  # per device: the rank plan's parameters, KV and state
+                obj.update(tp=args.tp, weight_bytes_per_device=_weight_bytes(plan))
             if f:
                 obj["gpu"] = f.as_json()
             if args.layers:
@@ -83,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_tables(args, contexts, models, fits, chart)
     return 0
+
+
+def _weight_bytes(plan) -> int:
+    from kvstate.config.dtypes import dtype_bytes
+
+    return plan.params.total * dtype_bytes(plan.dtype)
 
 
 def _entry_json(e) -> dict:
@@ -130,9 +153,12 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
 
     console = make_console()
     times = f" x{args.batch}" if args.batch > 1 else ""
-    table = Table(title="Cache per request" + (f" (totals for {args.batch} requests)" if times else ""),
+    per = f" per device (--tp {args.tp})" if args.tp != 1 else ""
+    table = Table(title="Cache per request" + per + (f" (totals for {args.batch} requests)" if times else ""),
                   title_justify="left")
-    for col in ("model", "layers", "ratio", "KV / token", "recurrent", "conv", "fixed state", "dtypes"):
+    cols = ("model", "layers", "ratio") + (("weights",) if per else ()) + ("KV / token", "recurrent", "conv",
+                                                                         "fixed state", "dtypes")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("model", "layers", "dtypes") else "right")
     for c in contexts:
         table.add_column(format_tokens(c) + times, justify="right")
@@ -145,7 +171,8 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
             over = plan.max_position_embeddings is not None and c > plan.max_position_embeddings
             beyond |= over
             totals.append(fb(args.batch * spec.request_bytes(c)) + (" *" if over else ""))
-        table.add_row(plan.name, layers, ratio, fb(spec.kv_bytes_per_token), fb(spec.recurrent_state_bytes),
+        weights = (fb(_weight_bytes(plan)),) if per else ()
+        table.add_row(plan.name, layers, ratio, *weights, fb(spec.kv_bytes_per_token), fb(spec.recurrent_state_bytes),
                       fb(spec.conv_state_bytes), fb(spec.state_bytes), dtypes, *totals)
     notes = [f"conv window: {args.conv_window} columns"] + HELP_EPILOG.splitlines()[:2]
     if beyond:

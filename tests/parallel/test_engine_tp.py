@@ -4,7 +4,7 @@ Every family's tiny checkpoint (GDN, GDN + MoE, KDA + MLA + MoE, Mamba-2 + atten
 Mamba-2, Mamba-1 + attention + MoE, dense) runs a workload with chunked prefill (8 tokens a step)
 and, where the model has KV layers, preemption (a cache of a few blocks), with the workers spawned
 once and the process group shared by all checkpoints. Each rank's pools hold exactly the bytes of
-its rank plan's cache spec (the planner's per-device figures).
+its rank plan's cache spec, and rank 0's are `kvstate memory --tp N`'s per-device figures.
 """
 
 import json
@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvstate.cache.spec import cache_spec
+from kvstate.cli import main
 from kvstate.config import read_plan
 from kvstate.engine.core import EngineCore
 from kvstate.engine.llm import LLM
@@ -103,7 +104,17 @@ def run_tp(checkpoints, families, size, tmp_path) -> dict:
     return results
 
 
-def check(results, checkpoints, reference, size):
+F32 = ["--kv-dtype", "float32", "--state-dtype", "float32", "--conv-dtype", "float32"]
+
+
+def planner(path, size, capsys) -> dict:
+    """`kvstate memory PATH --tp size --json` (fp32 caches, as the engine's pools)."""
+    capsys.readouterr()
+    assert main(["memory", path, "--tp", str(size), "--json", *F32]) == 0
+    return json.loads(capsys.readouterr().out)[0]
+
+
+def check(results, checkpoints, reference, size, capsys):
     for fam, got in results.items():
         assert got["tokens"] == reference[fam], fam
         plan = read_plan(checkpoints[fam])
@@ -116,15 +127,18 @@ def check(results, checkpoints, reference, size):
             planned = {"kv": sizes.num_blocks * BLOCK * spec.kv_bytes_per_token,
                        "state": sizes.num_slots * spec.state_bytes}
             assert (got["pools"] if r == 0 else got[f"pools{r}"]) == planned, (fam, r)
+        per_device = planner(checkpoints[fam], size, capsys)  # the planner's figures are rank 0's
+        assert got["pools"] == {"kv": sizes.num_blocks * BLOCK * per_device["kv_bytes_per_token"],
+                                "state": sizes.num_slots * per_device["state_bytes"]}, fam
 
 
-def test_two_ranks_every_family(checkpoints, reference, tmp_path):
+def test_two_ranks_every_family(checkpoints, reference, tmp_path, capsys):
     torch.set_num_threads(1)
-    check(run_tp(checkpoints, FAMILIES, 2, tmp_path), checkpoints, reference, 2)
+    check(run_tp(checkpoints, FAMILIES, 2, tmp_path), checkpoints, reference, 2, capsys)
 
 
-def test_four_ranks_where_heads_divide(checkpoints, reference, tmp_path):
+def test_four_ranks_where_heads_divide(checkpoints, reference, tmp_path, capsys):
     """Qwen3.5 (KV heads 2 < 4: replicated) and Nemotron-H (Mamba-2 groups 2 < 4: a norm group spans ranks)."""
     torch.set_num_threads(1)
     fams = ["qwen3_5", "nemotron_h"]
-    check(run_tp(checkpoints, fams, 4, tmp_path), checkpoints, reference, 4)
+    check(run_tp(checkpoints, fams, 4, tmp_path), checkpoints, reference, 4, capsys)

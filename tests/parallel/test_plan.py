@@ -48,3 +48,23 @@ def test_rank_plan_counts_the_rank_model_and_divides_the_cache(name, tp):
     full, mine = cache_spec(plan), cache_spec(local)
     assert mine.state_bytes * tp == full.state_bytes
     assert full.kv_bytes_per_token // tp <= mine.kv_bytes_per_token <= full.kv_bytes_per_token
+
+
+def test_memory_tp_reports_per_device_and_one_line_per_model_that_does_not_divide(capsys):
+    import json
+
+    from kvstate.cli import main
+
+    assert main(["memory", "qwen3.5-0.8b", "--tp", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    local = shard_plan(read_plan("qwen3.5-0.8b"), 2)
+    assert row["tp"] == 2 and row["parameters"] == local.params.total
+    assert row["weight_bytes_per_device"] == local.params.total * 2  # bf16
+    assert row["kv_bytes_per_token"] == cache_spec(local).kv_bytes_per_token
+    # at 16: Qwen3.5-0.8B's 8 attention heads do not divide, Jamba's all do (8 KV heads replicated in pairs)
+    assert main(["memory", "qwen3.5-0.8b", "jamba-v0.1", "--tp", "16", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["model"] for r in json.loads(out)] == ["jamba-v0.1 (rank 0/16)"]
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "qwen3.5-0.8b" in line]
+    assert len(err.strip().splitlines()) == 1 and "attention heads = 8 does not divide by --tp 16" in err
+    assert main(["memory", "qwen3.5-0.8b", "--tp", "3"]) == 2
