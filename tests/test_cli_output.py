@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.cli import main
-from kvstate.config import BUNDLED
+from kvstate.config import BUNDLED, bundled_names
 
 ROOT = Path(__file__).resolve().parents[1]
 MANY = "1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1m"
@@ -37,7 +37,7 @@ def test_memory_table_to_a_pipe_keeps_model_names_whole():
     assert "…" not in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
     names = [row.split("│")[1].strip() for row in rows if row.split("│")[1].strip()]
-    assert names == list(BUNDLED)
+    assert names == bundled_names()  # the configs, then the shipped models
     assert "1M" in proc.stdout and "kv bfloat16, state float32" in proc.stdout
 
 

@@ -1,4 +1,6 @@
-"""`kvstate generate --model PATH_OR_HUB_ID "prompt"`: stream a completion, then a summary line.
+"""`kvstate generate [--model PATH_OR_HUB_ID_OR_NAME] "prompt"`: stream a completion, then a summary line.
+
+Without --model it runs the shipped kvstate-phonebook-hybrid (kvstate.shipped).
 
 The summary gives decode tokens/s, time to first token, and the cache bytes the requests held
 at their peak, KV blocks and state slots apart (the two kinds of cache of a hybrid model), and
@@ -21,9 +23,10 @@ from kvstate.errors import KvstateError
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="+",
                         help="prompt text; several prompts run as one batch; - reads a prompt from stdin")
-    parser.add_argument("--model", required=True, metavar="PATH_OR_HUB_ID",
-                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
-                             "hub id (org/name: the local cache when offline, else downloaded)")
+    parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
+                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face "
+                             "hub id (org/name: the local cache when offline, else downloaded) or a shipped "
+                             "model's name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap each prompt as a user message in the checkpoint's chat template")
     parser.add_argument("--system", default=None, metavar="TEXT", help="system message of the chat template (needs --chat)")
@@ -94,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, n=args.n,
                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                             repetition_penalty=args.repetition_penalty)
-    model = resolve_checkpoint(args.model)  # a hub id -> its snapshot dir (weights and tokenizer)
+    from kvstate.shipped import DEFAULT_MODEL
+
+    # a hub id -> its snapshot dir (weights and tokenizer); a shipped name -> its package dir
+    model = resolve_checkpoint(args.model or DEFAULT_MODEL)
     with load_progress(console, enabled=not args.json) as progress:
         llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
                   load_progress=progress, speculative_config=speculative_config(args),

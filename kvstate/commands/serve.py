@@ -32,8 +32,8 @@ def _port(text: str) -> int:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
-                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
-                             "hub id (default: the project's bundled model, when one is bundled)")
+                        help="checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face "
+                             "hub id, or a shipped model's name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only; the server has no auth)")
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
@@ -58,10 +58,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def bundled_model() -> Path | None:
-    """The project's default model: the first checkpoint with weights under kvstate/data/models."""
+    """The project's default model: kvstate-phonebook-hybrid (kvstate.shipped) when its weights are
+    under kvstate/data/models, else the first checkpoint with weights there."""
+    from kvstate.shipped import DEFAULT_MODEL
+
     if not BUNDLED_MODELS.is_dir():
         return None
-    for path in sorted(BUNDLED_MODELS.iterdir()):
+    default = BUNDLED_MODELS / DEFAULT_MODEL
+    for path in [default, *sorted(BUNDLED_MODELS.iterdir())]:
         if (path / "config.json").exists() and any(path.glob("*.safetensors")):
             return path
     return None

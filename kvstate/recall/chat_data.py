@@ -7,8 +7,9 @@ The two shipped models (`kvstate recall train-default`) learn two skills in Qwen
   other entries of the same book (more answers per token of context, so training is cheaper);
 - **copy**: "Repeat this:" and a passage of random words; the assistant repeats it.
 
-The tokenizer is word-level (a word with or without its leading space is one token, digits one
-each), so a 64-entry book is ~520 tokens rather than ~1,200 characters. It is a real
+The tokenizer is word-level (a word with or without its leading space is one token, a phone
+book's full name too, digits one each), so a 64-entry book is ~450 tokens rather than ~1,200
+characters. It is a real
 `tokenizers` tokenizer.json that transformers and kvstate both load; a Fuse decoder joins the
 tokens back into text (the spaces live in the tokens). No torch here.
 
@@ -40,13 +41,17 @@ WORDS = tuple(sorted({w.strip(".").lower() for s in FILLER for w in s.split()} |
     "which who will with word work would year you your book phone number city road tree light night stone "
     "small big fast slow open close left right blue yellow black white".split())))
 PUNCT = (":", "?", ".", ",", "!", "'s", "-", "'")
-# A word (optionally after one space), one digit (optionally after one space), a line break, one other
-# character (optionally after one space), or a lone space: every character lands in exactly one piece.
-PIECES = r"'s| ?[A-Za-z]+| ?[0-9]|\n| ?[^\sA-Za-z0-9]|\s"
+FULL_NAMES = tuple(f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES)
+# A full name of the phone book (one token: the lookup key is one token, as in MQAR), a word, one
+# digit (each optionally after one space), a line break, one other character (optionally after one
+# space), or a lone space: every character lands in exactly one piece.
+PIECES = (r"'s| ?(?:" + "|".join(FIRST_NAMES) + ") (?:" + "|".join(LAST_NAMES) + r")\b"
+          r"| ?[A-Za-z]+| ?[0-9]|\n| ?[^\sA-Za-z0-9]|\s")
 
 
 def vocabulary() -> list[str]:
-    words = set(FIRST_NAMES) | set(LAST_NAMES) | {"What", "Repeat", "this", "user", "assistant", "system"}
+    words = set(FIRST_NAMES) | set(LAST_NAMES) | set(FULL_NAMES) | {"What", "Repeat", "this", "user", "assistant",
+                                                                     "system"}
     words |= set(WORDS) | {w.capitalize() for w in WORDS}
     tokens = sorted(words) + sorted(" " + w for w in words)
     tokens += [str(d) for d in range(10)] + [f" {d}" for d in range(10)]

@@ -92,6 +92,12 @@ def _progress(console, names, steps, *, enabled: bool):
         if not enabled:
             yield lambda *a: None
             return
+        if not console.is_terminal:  # a log file: one line per model every 25 steps instead of a bar
+            def line(name, i, loss, acc):
+                if (i + 1) % 25 == 0 or i + 1 == steps:
+                    console.print(f"{name} step {i + 1}/{steps} loss {loss:.3f} acc {acc:.2f}")
+            yield line
+            return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -27,25 +27,30 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 600
-    batch: int = 32
+    steps: int = 500
+    batch: int = 16
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int = 30
-    min_entries: int = 2
-    max_entries: int = 40
-    turns: int = 4  # questions per phone book
+    min_entries: int = 1
+    max_entries: int = 32
+    turns: int = 6  # questions per phone book
     copy_share: float = 0.25  # share of copy chats
     copy_words: tuple[int, int] = (4, 40)
+    curriculum: float = 0.5  # share of the run over which the largest book grows to max_entries
 
 
-def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int) -> list[Chat]:
+def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, progress: float = 1.0) -> list[Chat]:
+    """`n` chats; books of min_entries up to a largest size that grows with `progress` (0..1) until
+    `curriculum` of the run, then stays at max_entries (small books first: the lookup is found there)."""
+    grown = min(1.0, progress / s.curriculum) if s.curriculum > 0 else 1.0
+    top = round(s.min_entries + grown * (s.max_entries - s.min_entries))
     chats = []
     for _ in range(n):
         if rng.random() < s.copy_share:
             chats.append(copy_chat(rng, int(rng.integers(s.copy_words[0], s.copy_words[1] + 1))))
         else:
-            entries = int(rng.integers(s.min_entries, s.max_entries + 1))
+            entries = int(rng.integers(s.min_entries, top + 1))
             chats.append(phonebook_chat(rng, entries, turns=s.turns))
     return chats
 
@@ -110,7 +115,7 @@ class Trainer:
 
     def step(self) -> tuple[float, float]:
         """One optimiser step on a fresh batch -> (loss, share of phonebook first answers exactly right)."""
-        chats = sample_chats(self.rng, self.s, self.s.batch)
+        chats = sample_chats(self.rng, self.s, self.s.batch, self.done / self.s.steps)
         encoded = [encode_chat(self.tok, c) for c in chats]
         targets, owner = targets_of(encoded)
         rows = (targets != -100).nonzero().flatten()
