@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -41,6 +42,8 @@ class TPGroup:
     def __init__(self, rank: int, size: int, port: int, *, host: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT):
         self.rank, self.size, self.timeout = rank, size, timeout
+        # wall seconds this rank spent in the forward's collectives (waiting for the slowest rank included)
+        self.seconds = {"all-reduce": 0.0, "all-gather": 0.0}
         wait = timedelta(seconds=timeout)
         try:
             self.store = dist.TCPStore(host, port, size, rank == 0, timeout=wait)
@@ -57,22 +60,26 @@ class TPGroup:
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
                    host=os.environ.get("MASTER_ADDR", "127.0.0.1"), timeout=timeout)
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, issue, what: str) -> None:
+        """Issue a collective (`issue()` -> its Work) and wait for it."""
+        start = time.perf_counter()
         try:
-            work.wait()
+            issue().wait()
         except RuntimeError as exc:
             raise RankFailure(f"TP rank {self.rank}: {what} failed: another rank stopped "
                               f"({str(exc).splitlines()[0][:160]})") from None
+        if what in self.seconds:
+            self.seconds[what] += time.perf_counter() - start
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place (returns it)."""
-        self._wait(self.pg.allreduce([t]), "all-reduce")
+        self._wait(lambda: self.pg.allreduce([t]), "all-reduce")
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (same shape on all), in rank order."""
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.pg.allgather([out], [t]), "all-gather")
+        self._wait(lambda: self.pg.allgather([out], [t]), "all-gather")
         return out
 
     def broadcast_object(self, obj=None):
@@ -82,10 +89,10 @@ class TPGroup:
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.ctl.broadcast(size, 0), "broadcast")
+        self._wait(lambda: self.ctl.broadcast(size, 0), "broadcast")
         if self.rank != 0:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self.ctl.broadcast(data, 0), "broadcast")
+        self._wait(lambda: self.ctl.broadcast(data, 0), "broadcast")
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def barrier(self) -> None:
