@@ -36,7 +36,6 @@ state-slot copies.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from typing import Callable
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.engine.detokenizer import IncrementalDetokenizer
 from kvstate.engine.params import SamplingParams
+from kvstate.engine.request_check import check_request
 from kvstate.engine.scheduler_output import SchedulerOutput
 from kvstate.engine.sequence import Sequence, SequenceStatus
 
@@ -113,7 +113,8 @@ class Scheduler:
         """Queue a request. A malformed one comes back REJECTED with `error` set (no exception)."""
         now = self.clock() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
-        tokens, error = self._check(request_id, prompt_token_ids, params)
+        tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
+                                      in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
         seq = Sequence(request_id, tokens, params, arrival_time=now)
         if error is not None:
             seq.status, seq.finish_reason, seq.error, seq.finished_time = SequenceStatus.REJECTED, "error", error, now
@@ -138,49 +139,6 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether a step is still needed: sequences to run, or results not yet reported."""
         return bool(self.waiting or self.running or self._outbox or self._flushing)
-
-    def _check(self, request_id, prompt, params) -> tuple[list[int], str | None]:
-        """(normalized prompt, None) or (whatever could be read, the reason to reject)."""
-        cfg = self.config
-        if request_id in self._live:
-            return [], f"request id {request_id!r} is already in use"
-        if not isinstance(params, SamplingParams):
-            return [], f"params must be SamplingParams, got {type(params).__name__}"
-        try:
-            params.validate()
-        except ValueError as e:
-            return [], str(e)
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            return [], f"prompt must be a list of token ids, got {type(prompt).__name__}"
-        tokens: list[int] = []
-        for i, t in enumerate(prompt):
-            try:
-                if isinstance(t, bool):
-                    raise TypeError
-                tokens.append(operator.index(t))
-            except TypeError:
-                return tokens, f"prompt token {i} is {t!r}, not an integer token id"
-            if not 0 <= tokens[-1] < cfg.vocab_size:
-                return tokens, f"prompt token {i} is {tokens[-1]}, outside the vocabulary [0, {cfg.vocab_size})"
-        if not tokens:
-            return tokens, "prompt is empty"
-        if len(tokens) > cfg.max_model_len:
-            return tokens, (f"prompt has {len(tokens)} tokens, more than the model's maximum length "
-                            f"{cfg.max_model_len}")
-        # KV is written for every token but the last one sampled; the pool must hold one sequence
-        final = max(cfg.max_model_len, len(tokens) + 1)
-        if params.max_tokens is not None:
-            final = min(final, len(tokens) + params.max_tokens)
-        need = self.blocks.blocks_for(final - 1)
-        if need > cfg.num_blocks:
-            return tokens, (f"prompt plus max_tokens needs up to {need} KV blocks of {cfg.block_size} tokens; "
-                            f"the cache pool holds {cfg.num_blocks}")
-        outside = [t for t in params.stop_token_ids if t >= cfg.vocab_size]
-        if outside:
-            return tokens, f"stop_token_ids {outside} are outside the vocabulary [0, {cfg.vocab_size})"
-        if params.stop and self.detokenize is None:
-            return tokens, "stop strings need a detokenizer, and none was given to the scheduler"
-        return tokens, None
 
     # scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

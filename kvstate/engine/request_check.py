@@ -1,0 +1,58 @@
+"""What the scheduler checks of a request before queueing it (no torch).
+
+A malformed or oversized request is not an exception: `Scheduler.add` queues it REJECTED with
+the reason this returns, and the next `postprocess` reports it with the finished ones, so one bad
+request in a batch (or on a server) never stops the others.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+from kvstate.engine.params import SamplingParams
+
+
+def check_request(cfg, blocks_for: Callable[[int], int], request_id, prompt, params, *, in_use: bool,
+                  can_detokenize: bool) -> tuple[list[int], str | None]:
+    """(normalized prompt, None) or (whatever could be read, the reason to reject). `cfg` is the
+    SchedulerConfig, `blocks_for(n)` the KV blocks n tokens need, `in_use` whether the request id is taken."""
+    if in_use:
+        return [], f"request id {request_id!r} is already in use"
+    if not isinstance(params, SamplingParams):
+        return [], f"params must be SamplingParams, got {type(params).__name__}"
+    try:
+        params.validate()
+    except ValueError as e:
+        return [], str(e)
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        return [], f"prompt must be a list of token ids, got {type(prompt).__name__}"
+    tokens: list[int] = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            tokens.append(operator.index(t))
+        except TypeError:
+            return tokens, f"prompt token {i} is {t!r}, not an integer token id"
+        if not 0 <= tokens[-1] < cfg.vocab_size:
+            return tokens, f"prompt token {i} is {tokens[-1]}, outside the vocabulary [0, {cfg.vocab_size})"
+    if not tokens:
+        return tokens, "prompt is empty"
+    if len(tokens) > cfg.max_model_len:
+        return tokens, (f"prompt has {len(tokens)} tokens, more than the model's maximum length "
+                        f"{cfg.max_model_len}")
+    # KV is written for every token but the last one sampled; the pool must hold one sequence
+    final = max(cfg.max_model_len, len(tokens) + 1)
+    if params.max_tokens is not None:
+        final = min(final, len(tokens) + params.max_tokens)
+    need = blocks_for(final - 1)
+    if need > cfg.num_blocks:
+        return tokens, (f"prompt plus max_tokens needs up to {need} KV blocks of {cfg.block_size} tokens; "
+                        f"the cache pool holds {cfg.num_blocks}")
+    outside = [t for t in params.stop_token_ids if t >= cfg.vocab_size]
+    if outside:
+        return tokens, f"stop_token_ids {outside} are outside the vocabulary [0, {cfg.vocab_size})"
+    if params.stop and not can_detokenize:
+        return tokens, "stop strings need a detokenizer, and none was given to the scheduler"
+    return tokens, None
