@@ -61,13 +61,13 @@ def test_op_mixer_gradients_equal_naive_op(op, naive, extra):
 
 
 def test_short_mqar_run_learns():
-    """Attention with the short conv learns MQAR far above chance (1 / 16 values) in ~100 steps."""
-    cfg = TrainConfig(layers="AA", epochs=12, lr=3e-3, **TINY)
+    """A linear + attention hybrid learns MQAR far above chance (1 / 16 values) in 32 steps."""
+    cfg = TrainConfig(layers="LA", epochs=4, lr=3e-3, **TINY)
     result = train(cfg)
-    assert result["finished"] and result["steps"] == 12 * 8
+    assert result["finished"] and result["steps"] == 4 * 8
     first, last = result["curve"][0][1], result["curve"][-1][1]
-    assert last < 0.5 * first
-    assert result["eval_accuracy"] > 0.5
+    assert last < 0.6 * first
+    assert result["eval_accuracy"] > 0.3
 
 
 def test_resume_equals_uninterrupted(tmp_path):
@@ -105,6 +105,15 @@ def test_cli_train_json(capsys, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} >= {"result.json", "checkpoint.pt", "curve.png"}
     assert main(args + ["--resume"]) == 0  # finished: resumes to the same result without training
     assert json.loads(capsys.readouterr().out)["curve"] == result["curve"]
+    assert main([a for a in args if a != "--json"] + ["--resume"]) == 0  # for humans: a table
+    out = capsys.readouterr().out
+    assert "mqar-GA-w32-p2" in out and "accuracy" in out and "{" not in out
+
+
+def test_recall_without_subcommand_prints_help(capsys):
+    assert main(["recall"]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "sweep" in out
 
 
 def test_cli_sweep_writes_results_and_plots(capsys, tmp_path):
