@@ -23,6 +23,7 @@ import torch.distributed as dist
 from kvstate.errors import KvstateError
 
 DEFAULT_TIMEOUT = 60.0  # seconds any collective may wait for the other ranks
+JOIN_TIMEOUT = 600.0  # seconds the ranks may take to start (importing torch on a loaded machine is slow)
 IDLE_TIMEOUT = 7 * 24 * 3600.0  # seconds a worker may wait for rank 0's next step (a server may idle)
 
 
@@ -40,25 +41,45 @@ class TPGroup:
     """Rank `rank` of `size` tensor-parallel ranks, joined through a TCPStore at host:port."""
 
     def __init__(self, rank: int, size: int, port: int, *, host: str = "127.0.0.1",
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, hosts_store: bool | None = None, check=None):
+        """`hosts_store`: whether this rank serves the TCPStore (default: rank 0; under torchrun its
+        agent already serves one at MASTER_PORT and every rank is a client). `check()`, called every
+        second while the ranks join, raises when a rank is known to have died (spawned workers)."""
         self.rank, self.size, self.timeout = rank, size, timeout
         # wall seconds this rank spent in the forward's collectives (waiting for the slowest rank included)
         self.seconds = {"all-reduce": 0.0, "all-gather": 0.0}
         wait = timedelta(seconds=timeout)
         try:
-            self.store = dist.TCPStore(host, port, size, rank == 0, timeout=wait)
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("step", self.store), rank, size, wait)
-            self.ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", self.store), rank, size,
+            master = rank == 0 if hosts_store is None else hosts_store
+            join = timedelta(seconds=max(timeout, JOIN_TIMEOUT))
+            self.store = dist.TCPStore(host, port, None, master, timeout=join, wait_for_workers=False)
+            self.store.set(f"kvstate-tp/joined/{rank}", "1")  # then every rank is up: gloo connects at once
+            self._join([f"kvstate-tp/joined/{r}" for r in range(size)], join.total_seconds(), check)
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore("kvstate-tp/step", self.store), rank, size, wait)
+            self.ctl = dist.ProcessGroupGloo(dist.PrefixStore("kvstate-tp/ctl", self.store), rank, size,
                                              timedelta(seconds=IDLE_TIMEOUT))
         except (RuntimeError, dist.DistStoreError) as exc:
-            raise RankFailure(f"TP rank {rank}: could not join the {size} ranks at {host}:{port} within "
-                              f"{timeout:g} s ({str(exc).splitlines()[0][:160]})") from None
+            raise RankFailure(f"TP rank {rank}: could not join the {size} ranks at {host}:{port} "
+                              f"({str(exc).splitlines()[0][:160]})") from None
+
+    def _join(self, keys: list[str], seconds: float, check) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=1.0 if check else seconds))
+                return
+            except (RuntimeError, dist.DistStoreError):
+                if check is None or time.monotonic() > deadline:
+                    raise
+                check()
 
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT) -> "TPGroup":
         """The group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
-                   host=os.environ.get("MASTER_ADDR", "127.0.0.1"), timeout=timeout)
+                   host=os.environ.get("MASTER_ADDR", "127.0.0.1"), timeout=timeout,
+                   hosts_store=False if agent else None)
 
     def _wait(self, issue, what: str) -> None:
         """Issue a collective (`issue()` -> its Work) and wait for it."""

@@ -142,8 +142,13 @@ def spawn_workers(size: int, path, weight_dtype=None, *, threads: int | None = N
              for rank in range(1, size)]
     for p in procs:
         p.start()
+    def check() -> None:
+        for rank, proc in enumerate(procs, start=1):
+            if proc.exitcode is not None:
+                raise RankFailure(f"TP rank {rank} exited while starting (exit code {proc.exitcode})")
+
     try:
-        group = TPGroup(0, size, port, timeout=timeout)
+        group = TPGroup(0, size, port, timeout=timeout, check=check)
     except RankFailure:
         for p in procs:
             p.terminate()
