@@ -25,6 +25,7 @@ from kvstate.layers.attention import Attention
 from kvstate.layers.gated_deltanet import GatedDeltaNet
 from kvstate.layers.kda import KimiDeltaAttention
 from kvstate.layers.mamba2 import Mamba2
+from kvstate.layers.norm import RMSNorm
 from kvstate.models.batch import Batch
 from kvstate.ops import causal_conv1d, chunk_delta_rule, chunk_linear_attention
 
@@ -128,7 +129,9 @@ class LayerMixer(nn.Module):
 
 class OpMixer(nn.Module):
     """Linear attention (`L`) or DeltaNet (`D`) over its chunk op: qkv projection, short conv (SiLU),
-    L2-normalised q and k, the op, output projection; DeltaNet adds beta = sigmoid(b(x))."""
+    L2-normalised q and k, the op, per-head RMSNorm of the output (as fla's LinearAttention and
+    DeltaNet: an unnormalised sum over the context grows with its length), output projection;
+    DeltaNet adds beta = sigmoid(b(x))."""
 
     def __init__(self, kind: str, size: MixerSize):
         super().__init__()
@@ -139,6 +142,7 @@ class OpMixer(nn.Module):
         if self.conv_weight is not None:
             _init_conv(self.conv_weight)
         self.b = nn.Linear(size.width, size.heads, bias=False) if kind == "D" else None
+        self.norm = RMSNorm(size.key_dim)
         self.out = nn.Linear(inner, size.width, bias=False)
 
     def forward(self, x: torch.Tensor, p: Packed) -> torch.Tensor:
@@ -153,7 +157,7 @@ class OpMixer(nn.Module):
             o, _ = chunk_linear_attention(q, k, v, use_qk_l2norm_in_kernel=True)
         else:
             o, _ = chunk_delta_rule(q, k, v, torch.sigmoid(self.b(x)), use_qk_l2norm_in_kernel=True)
-        return self.out(o.reshape(b, t, -1))  # o [B, T, H, K]
+        return self.out(self.norm(o).reshape(b, t, -1))  # o [B, T, H, K]
 
 
 def make_mixer(kind: str, size: MixerSize) -> nn.Module:
