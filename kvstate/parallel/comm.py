@@ -63,15 +63,15 @@ class TPGroup:
                               f"({str(exc).splitlines()[0][:160]})") from None
 
     def _join(self, keys: list[str], seconds: float, check) -> None:
+        """Poll the store (no blocking wait: its timeouts log a warning a second) until every rank is up."""
         deadline = time.monotonic() + seconds
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=1.0 if check else seconds))
-                return
-            except (RuntimeError, dist.DistStoreError):
-                if check is None or time.monotonic() > deadline:
-                    raise
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{sum(self.store.check([k]) for k in keys)} of {len(keys)} ranks joined "
+                                   f"within {seconds:g} s")
+            if check is not None:
                 check()
+            time.sleep(0.05)
 
     @classmethod
     def from_env(cls, timeout: float = DEFAULT_TIMEOUT) -> "TPGroup":
