@@ -3,7 +3,7 @@
 A step packs a batch of chats of different lengths into one varlen forward (no padding), with
 every sequence owning one contiguous KV block and one state slot (`contiguous_caches`), and
 takes the cross-entropy only at the assistant's reply tokens. The recipe is the one measured for
-tiny recall models: AdamW (lr 3e-3 with warm-up and cosine decay, weight decay 0.1 on
+tiny recall models: AdamW (peak lr 4e-3 with warm-up and cosine decay, weight decay 0.1 on
 matrices), gradient clipping at 1. Everything is seeded, so a run is repeatable.
 
     model, plan = load_model(write_initial_checkpoint(cfg, tmp, seed=0))
@@ -27,17 +27,17 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 500
+    steps: int = 400
     batch: int = 16
-    lr: float = 3e-3
+    lr: float = 4e-3
     weight_decay: float = 0.1
     warmup: int = 30
     min_entries: int = 1
     max_entries: int = 32
-    turns: int = 6  # questions per phone book
-    copy_share: float = 0.25  # share of copy chats
-    copy_words: tuple[int, int] = (4, 40)
-    curriculum: float = 0.5  # share of the run over which the largest book grows to max_entries
+    turns: int = 10  # questions per phone book
+    copy_share: float = 0.2  # share of copy chats
+    copy_words: tuple[int, int] = (4, 32)
+    curriculum: float = 0.4  # share of the run over which the largest book grows to max_entries
 
 
 def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, progress: float = 1.0) -> list[Chat]:
