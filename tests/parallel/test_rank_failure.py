@@ -56,3 +56,32 @@ def test_a_rank_dying_before_a_collective_fails_it_within_the_timeout():
 def test_what_does_not_divide_fails_before_any_process_starts(path):
     with pytest.raises(KvstateError, match="does not divide by --tp 3"):
         LLM(path, tensor_parallel_size=3)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie left to a non-reaping init counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_rank_0_is_killed(path):
+    import subprocess
+    import sys
+
+    code = ("import sys, time, torch; torch.set_num_threads(1); from kvstate import LLM; "
+            f"llm = LLM({path!r}, cache_memory='8MiB', tensor_parallel_size=2); "
+            "print(llm.runner.workers[0].pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        assert not _gone(worker)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 20
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gone(worker), "a worker outlived its rank 0 by 20 s"
