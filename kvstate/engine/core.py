@@ -108,7 +108,10 @@ class EngineCore:
             cache_memory = parse_size(cache_memory, "--cache-memory")
         from kvstate.cache.spec import cache_spec
 
-        spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
+        # under tensor parallelism the model holds its rank's plan (its heads' cache) and the ranks share the machine
+        local = getattr(model, "plan", None) or plan
+        ranks = getattr(getattr(model, "tp_group", None), "size", 1)
+        spec = cache_spec(local, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
                           conv_window=conv_window)
         draft = _draft_costs(speculative_config, max_num_seqs, block_size)  # (fixed, per token) or None
         if cache_memory is None:
@@ -117,10 +120,10 @@ class EngineCore:
                 need += 2 * max_num_seqs * spec.state_bytes
             if draft is not None:
                 need += draft[0] + max_num_seqs * max_model_len * draft[1]
-            cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()), need)
+            cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()) // ranks, need)
         spare = 0
         if enable_prefix_caching:
-            spare = snapshot_slots(plan, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
+            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
         self.draft_cache_bytes = 0  # what a draft model's pools take out of cache_memory
         if draft is not None:
             fixed, per_token = draft

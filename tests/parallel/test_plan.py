@@ -68,3 +68,24 @@ def test_memory_tp_reports_per_device_and_one_line_per_model_that_does_not_divid
     assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "qwen3.5-0.8b" in line]
     assert len(err.strip().splitlines()) == 1 and "attention heads = 8 does not divide by --tp 16" in err
     assert main(["memory", "qwen3.5-0.8b", "--tp", "3"]) == 2
+
+
+def test_default_cache_budget_is_the_rank_plans_need():
+    """With no cache_memory, a TP engine sizes its budget from the rank's cache (not the whole model's)."""
+    from types import SimpleNamespace
+
+    from kvstate.engine.core import EngineCore
+    from kvstate.engine.runner import ModelRunner
+    from tests.models.checks import build_on_meta
+
+    plan = read_plan("qwen3.5-0.8b")
+    local = shard_plan(plan, 2)
+    model = build_on_meta(local)  # on meta: the pools are allocated on meta too (no memory)
+    model.tp_group = SimpleNamespace(size=2)
+    core = EngineCore(model, plan, max_num_seqs=2, max_model_len=64, block_size=16,
+                      runner_class=lambda m, p, **kw: ModelRunner(m, m.plan, **kw))
+    spec = cache_spec(local, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
+    assert core.runner.pool_bytes == {"kv": core.runner.sizes.num_blocks * 16 * spec.kv_bytes_per_token,
+                                      "state": 2 * spec.state_bytes}
+    assert core.runner.sizes.num_blocks * 16 * spec.kv_bytes_per_token + 2 * spec.state_bytes <= \
+        2 * (spec.state_bytes + 64 * spec.kv_bytes_per_token)
