@@ -11,6 +11,8 @@ samples them with each request's params, penalties and seeded generator.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvstate.cache.pools import LayerCache, allocate_pools
@@ -18,6 +20,7 @@ from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
 from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
 from kvstate.engine.spec.rejection import sample_step
+from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
 from kvstate.models.batch import Batch
 
@@ -37,6 +40,8 @@ class ModelRunner:
         self.generators = RequestGenerators(model.device)
         self.generator = None if seed is None else torch.Generator(model.device).manual_seed(seed)
         self.rollback: Batch | None = None  # the last step's verify states, until `keep` picks one
+        # decode steps: small ops on one thread, weight streaming and state workers on all (kernels.threads)
+        self.serial_small_ops = True
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -67,7 +72,8 @@ class ModelRunner:
         device = self.model.device
         batch = Batch.build(**step.batch_args(), sample_rows=step.sample_indices, device=device)
         ids = torch.tensor(step.input_ids(), dtype=torch.int64, device=device)
-        logits = self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
+        with small_ops_serial() if batch.decode_only and self.serial_small_ops else contextlib.nullcontext():
+            logits = self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
         self.rollback = batch if batch.rollback else None
         return logits
 

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from kvstate.kernels.threads import wide_threads
+
 MAX_WORKERS: int | None = None  # None: torch.get_num_threads()
 MIN_WORK = 1 << 24  # state-update multiply-adds below which a call stays on the calling thread
 
@@ -36,7 +38,7 @@ def workers(work: float, pieces: int) -> int:
     """How many workers to use for `work` multiply-adds split in at most `pieces` pieces."""
     if work < MIN_WORK or pieces < 2 or getattr(_local, "worker", False):  # small, or already in a worker
         return 1
-    return max(1, min(torch.get_num_threads() if MAX_WORKERS is None else MAX_WORKERS, pieces))
+    return max(1, min(wide_threads() if MAX_WORKERS is None else MAX_WORKERS, pieces))
 
 
 @contextmanager
