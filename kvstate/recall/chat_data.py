@@ -8,8 +8,8 @@ The two shipped models (`kvstate recall train-default`) learn two skills in Qwen
 - **copy**: "Repeat this:" and a passage of random words; the assistant repeats it.
 
 The tokenizer is word-level (a word with or without its leading space is one token, a phone
-book's full name too, digits one each), so a 64-entry book is ~450 tokens rather than ~1,200
-characters. It is a real
+book's full name too, digits two a token), so a 64-entry book is ~330 tokens rather than ~1,200
+characters, and a 4-digit answer is two tokens. It is a real
 `tokenizers` tokenizer.json that transformers and kvstate both load; a Fuse decoder joins the
 tokens back into text (the spaces live in the tokens). No torch here.
 
@@ -42,11 +42,11 @@ WORDS = tuple(sorted({w.strip(".").lower() for s in FILLER for w in s.split()} |
     "small big fast slow open close left right blue yellow black white".split())))
 PUNCT = (":", "?", ".", ",", "!", "'s", "-", "'")
 FULL_NAMES = tuple(f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES)
-# A full name of the phone book (one token: the lookup key is one token, as in MQAR), a word, one
-# digit (each optionally after one space), a line break, one other character (optionally after one
-# space), or a lone space: every character lands in exactly one piece.
+# A full name of the phone book (one token: the lookup key is one token, as in MQAR), a word, two
+# digits (or a last single one; each optionally after one space), a line break, one other character
+# (optionally after one space), or a lone space: every character lands in exactly one piece.
 PIECES = (r"'s| ?(?:" + "|".join(FIRST_NAMES) + ") (?:" + "|".join(LAST_NAMES) + r")\b"
-          r"| ?[A-Za-z]+| ?[0-9]|\n| ?[^\sA-Za-z0-9]|\s")
+          r"| ?[A-Za-z]+| ?[0-9]{1,2}|\n| ?[^\sA-Za-z0-9]|\s")
 
 
 def vocabulary() -> list[str]:
@@ -54,7 +54,8 @@ def vocabulary() -> list[str]:
                                                                      "system"}
     words |= set(WORDS) | {w.capitalize() for w in WORDS}
     tokens = sorted(words) + sorted(" " + w for w in words)
-    tokens += [str(d) for d in range(10)] + [f" {d}" for d in range(10)]
+    digits = [str(d) for d in range(10)] + [f"{d:02d}" for d in range(100)]  # numbers go two digits a token
+    tokens += digits + [" " + d for d in digits]
     tokens += list(PUNCT) + [" " + p for p in PUNCT if p != "'s"] + ["\n", " "]
     return [*SPECIAL, UNK, *dict.fromkeys(tokens)]
 

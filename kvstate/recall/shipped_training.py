@@ -3,7 +3,7 @@
 A step packs a batch of chats of different lengths into one varlen forward (no padding), with
 every sequence owning one contiguous KV block and one state slot (`contiguous_caches`), and
 takes the cross-entropy only at the assistant's reply tokens. The recipe is the one measured for
-tiny recall models: AdamW (peak lr 4e-3 with warm-up and cosine decay, weight decay 0.1 on
+tiny recall models: AdamW (peak lr 5e-3 with warm-up and cosine decay, weight decay 0.1 on
 matrices), gradient clipping at 1. Everything is seeded, so a run is repeatable.
 
     model, plan = load_model(write_initial_checkpoint(cfg, tmp, seed=0))
@@ -27,13 +27,13 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 400
+    steps: int = 350
     batch: int = 16
-    lr: float = 4e-3
+    lr: float = 5e-3
     weight_decay: float = 0.1
     warmup: int = 30
     min_entries: int = 1
-    max_entries: int = 32
+    max_entries: int = 24
     turns: int = 10  # questions per phone book
     copy_share: float = 0.2  # share of copy chats
     copy_words: tuple[int, int] = (4, 32)
