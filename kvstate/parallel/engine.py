@@ -53,7 +53,7 @@ class TPRunner(ModelRunner):
 
     def __init__(self, model, plan, *, group: TPGroup, workers=(), **kwargs):
         super().__init__(model, model.plan, **kwargs)  # the rank's plan: pools of its heads only
-        self.group, self.workers = group, list(workers)
+        self.group, self.workers, self.closed = group, list(workers), False
         self.threads = torch.get_num_threads()
         self._send(dict(kwargs))  # the workers size their pools as rank 0 does
 
@@ -76,7 +76,10 @@ class TPRunner(ModelRunner):
         super().keep(step)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the workers (they leave their loop) and wait for their processes."""
+        """Stop the workers (they leave their loop) and wait for their processes; once."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self._send(None)
         except RankFailure:
