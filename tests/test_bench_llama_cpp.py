@@ -117,3 +117,26 @@ def test_profile_timers_are_removed_afterwards():
     with timed({}):
         assert fused.linear is not before[0] and recurrence._RUN["decode"] is not before[1]
     assert (fused.linear, recurrence._RUN["decode"], recurrence._decode) == before
+
+
+def test_bench_engine_reports_unmeasurable_decode_rows(capsys, monkeypatch):
+    # a clock that moves 1 s per reading: N tokens take as long as 1, as on a very busy machine;
+    # such a row must say "not measured", not a speed from a clamped difference
+    import itertools
+    import types
+
+    from kvstate.bench import engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    code = main(["bench", "engine", "--quick", "--no-reference", "--batches", "1,2", "--prompt-len", "4",
+                 "--new-tokens", "3", "--prefill-len", "8", "--threads", "1", "--json"])
+    assert code == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    decode = [r for r in out["rows"] if r["phase"] == "decode"]
+    assert len(decode) == 2 and all(r["tokens_per_s"] is None and r["bandwidth_fraction"] is None for r in decode)
+    assert out["decode_scaling"] is None and "not measured" in captured.err
+    console = Console(file=io.StringIO(), width=200)
+    show(console, out)  # prints "-" for them
+    assert "decode" in console.file.getvalue()

@@ -158,7 +158,13 @@ def run(args: argparse.Namespace) -> int:
             with console.status(f"decode batch {b}: {name}"):
                 t1 = fn(prompts, 1)
                 tn = fn(prompts, new)
-            step = max(tn - t1, 1e-9) / (new - 1)
+            if tn <= t1:  # N tokens no slower than 1: the machine's noise swamped the decode steps
+                console.print(f"[yellow]decode batch {b}, {name}: {new} tokens took no longer than 1; not "
+                              f"measured (busy machine? raise --new-tokens)[/]")
+                rows.append(dict(impl=name, phase="decode", batch=b, tokens_per_s=None, ms_per_step=None, gbps=None,
+                                 bandwidth_fraction=None))
+                continue
+            step = (tn - t1) / (new - 1)
             rows.append(dict(impl=name, phase="decode", batch=b, tokens_per_s=b / step, ms_per_step=1e3 * step,
                              gbps=step_bytes / step / 1e9, bandwidth_fraction=step_bytes / step / read_bw))
     prompt = [torch.randint(0, vocab, (prefill_len,), generator=g).tolist()]
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             t = fn(prompt, 1)
         rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=prefill_len / t, ms_per_step=1e3 * t,
                          gbps=None, bandwidth_fraction=None))
-    speed = {(r["impl"], r["phase"], r["batch"]): r["tokens_per_s"] for r in rows}
+    speed = {(r["impl"], r["phase"], r["batch"]): r["tokens_per_s"] for r in rows if r["tokens_per_s"]}
     profiles = {}
     for b in profile_batches:
         from kvstate.bench.step_profile import profile_decode
@@ -186,8 +192,9 @@ def run(args: argparse.Namespace) -> int:
                                            decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
                                            prefill=speed[("kvstate", "prefill", 1)])
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
-              for (impl, phase, b) in speed if impl == "transformers"}
-    scaling = speed[("kvstate", "decode", max(batches))] / speed[("kvstate", "decode", min(batches))]
+              for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
+    ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
+    scaling = ends[0] / ends[1] if all(ends) else None
     wdtype = str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
                   prompt_tokens=plen, new_tokens=new, prefill_tokens=prefill_len, llama_gen=args.llama_gen,
@@ -218,7 +225,8 @@ def show(console, result: dict) -> None:
         table.add_column(col, justify="left" if col in ("impl", "phase") else "right")
     for r in result["rows"]:
         impl = r["impl"] if r["impl"] != "kvstate" else f"kvstate {result['weight_dtype']}"
-        table.add_row(impl, r["phase"], str(r["batch"]), f"{r['tokens_per_s']:,.1f}", f"{r['ms_per_step']:.1f}",
+        table.add_row(impl, r["phase"], str(r["batch"]), f"{r['tokens_per_s']:,.1f}" if r["tokens_per_s"] else "-",
+                      f"{r['ms_per_step']:.1f}" if r["ms_per_step"] else "-",
                       f"{r['gbps']:.1f}" if r["gbps"] else "-",
                       f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] else "-")
     for r in result["llama_cpp"]:
@@ -232,8 +240,9 @@ def show(console, result: dict) -> None:
     for k, v in result["speedup_vs_transformers"].items():
         console.print(f"kvstate / transformers, {k}: {v:.2f}x")
     batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})
-    console.print(f"kvstate decode throughput, batch {batches[-1]} / batch {batches[0]}: "
-                  f"{result['decode_scaling']:.1f}x")
+    if result["decode_scaling"]:
+        console.print(f"kvstate decode throughput, batch {batches[-1]} / batch {batches[0]}: "
+                      f"{result['decode_scaling']:.1f}x")
     if result["llama_cpp"]:
         r = result["llama_cpp"][0]
         console.print(f"llama.cpp: llama-bench -t {r['threads']} -p {result['prefill_tokens']} "

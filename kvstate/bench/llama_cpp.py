@@ -103,7 +103,7 @@ def compare(binary: str, ggufs: list[str], *, threads: int, prompt: int, gen: in
                              model_type=r.model_type, model_size=r.model_size, model_params=r.model_params,
                              streamed_bytes=int(r.model_size * share), threads=r.threads))
             ours = decode_b1 if r.test.startswith("tg") else prefill if r.test.startswith("pp") else None
-            if ours is not None and r.tokens_per_s > 0:
+            if ours and r.tokens_per_s > 0:
                 ratios[f"{'decode b=1' if r.test.startswith('tg') else 'prefill'} vs {name} {r.test}"] = (
                     ours / r.tokens_per_s)
     return rows, ratios
