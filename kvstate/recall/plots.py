@@ -34,6 +34,16 @@ def plot_curve(result: dict, path: str) -> str:
     return path
 
 
+def _log2_bytes(ax) -> None:
+    """A base-2 log x axis labelled 256 B, 1 KiB, ... (matplotlib's minor labels overlap there)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: f"{v / 1024:g} KiB" if v >= 1024 else f"{v:g} B"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _label(cfg: dict) -> str:
     return f"{cfg['layers']} w{cfg['width']}" + (f" k{cfg['key_dim']}" if cfg.get("key_dim") else "")
 
@@ -67,7 +77,8 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
         style = "s--" if set(layers) == {"A"} else "o-"
         ax.plot([s for s, _ in pts], [a for _, a in pts], style, label=f"{layers}, {pairs} pairs")
     ax.set(xlabel="state bytes per layer (attention: KV bytes at the sequence length)", ylabel="exact accuracy",
-           ylim=(0, 1.02), xscale="log", title="recall vs state size")
+           ylim=(0, 1.02), title="recall vs state size")
+    _log2_bytes(ax)
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "accuracy_vs_state.png"))
