@@ -29,8 +29,10 @@ $(KERNELS): $(STAMP) $(wildcard kvstate/kernels/csrc/*)
 
 install: $(STAMP) $(KERNELS)
 
-run: $(STAMP)
+# The memory table at once, then the server on the shipped hybrid model (it prints the explorer's URL).
+run: $(STAMP) $(KERNELS)
 	$(BIN)/kvstate memory
+	$(BIN)/kvstate serve
 
 test: $(STAMP) $(KERNELS)
 	$(BIN)/python -m pytest -q -n 2 tests

@@ -7,13 +7,16 @@ are imported on first use:
 
     from kvstate import LLM, SamplingParams          # the offline API
     from kvstate import EngineCore                   # step by step: what a server's loop drives
+    kvstate.model_path("kvstate-phonebook-hybrid")   # a shipped trained model's directory
 """
 
 __version__ = "0.1.0"
 
 from kvstate.errors import KvstateError
+from kvstate.shipped import model_path
 
-__all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutput", "SamplingParams", "__version__",
+           "model_path"]
 
 # name -> module, imported on first use (LLM and EngineCore load torch when built)
 _LAZY = {"LLM": "kvstate.engine.llm", "EngineCore": "kvstate.engine.core", "SamplingParams": "kvstate.engine.params",

@@ -3,7 +3,8 @@
 Runs `phonebook_eval.phonebook_curve` on any loadable checkpoint with a tokenizer (a directory,
 a hub id, or a shipped model's name; default: kvstate-phonebook-hybrid) and prints a table of
 accuracy, prompt length, KV bytes and state bytes per book size; `--plot FILE` draws the curve,
-`--json` prints the rows (keys: entries, prompt_tokens, accuracy, kv_bytes, state_bytes).
+`--json` prints the rows (keys: entries, prompt_tokens, accuracy, kv_bytes, state_bytes). `--model`
+repeated compares models: a table each, one plot, and JSON as name -> rows.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ DEFAULT_SIZES = "4,8,16,32,64"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="PATH_OR_NAME",
-                        help="checkpoint directory, hub id or shipped model name (default: kvstate-phonebook-hybrid)")
+    parser.add_argument("--model", action="append", default=None, metavar="PATH_OR_NAME",
+                        help="checkpoint directory, hub id or shipped model name; repeat it to compare models in one "
+                             "table and plot (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--entries", default=DEFAULT_SIZES, metavar="N,N,...",
                         help=f"book sizes (default: {DEFAULT_SIZES})")
     parser.add_argument("--queries", type=int, default=32, metavar="N", help="books (one question each) per size (default: 32)")
@@ -48,32 +50,39 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.entries)
     if args.queries < 1 or not 1 <= args.digits <= 12:
         raise KvstateError("--queries must be positive and --digits from 1 to 12")
-    name = args.model or DEFAULT_MODEL
-    path = resolve_checkpoint(name)
-    if not (path / "tokenizer.json").is_file():
-        raise KvstateError(f"{name}: no tokenizer.json (the phonebook test writes and reads text)")
+    names = args.model or [DEFAULT_MODEL]
+    paths = [resolve_checkpoint(name) for name in names]  # every model checked before any runs
+    for name, path in zip(names, paths):
+        if not (path / "tokenizer.json").is_file():
+            raise KvstateError(f"{name}: no tokenizer.json (the phonebook test writes and reads text)")
     from kvstate.engine.llm import LLM
     from kvstate.recall.phonebook_eval import phonebook_curve, plot_curve
 
     console = make_console(stderr=True)
-    llm = LLM(path, seed=args.seed)
-    try:
-        with _bar(console, len(sizes), enabled=not args.json) as advance:
-            rows = phonebook_curve(llm, sizes, queries=args.queries, seed=args.seed, digits=args.digits,
-                                   progress=advance)
-    finally:
-        llm.close()
+    curves: dict[str, list[dict]] = {}
+    for name, path in zip(names, paths):
+        llm = LLM(path, seed=args.seed)
+        try:
+            with _bar(console, str(name), len(sizes), enabled=not args.json) as advance:
+                curves[str(name)] = phonebook_curve(llm, sizes, queries=args.queries, seed=args.seed,
+                                                    digits=args.digits, progress=advance)
+        finally:
+            llm.close()
     if args.plot:
-        plot_curve({str(name): rows}, args.plot)
-    if args.json:
-        json.dump(rows, sys.stdout, indent=2)
+        plot_curve(curves, args.plot)
+    if args.json:  # one model: its rows; several: name -> rows
+        json.dump(next(iter(curves.values())) if len(curves) == 1 else curves, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    _table(make_console(), str(name), rows, args.plot)
+    out = make_console()
+    for name, rows in curves.items():
+        _table(out, name, rows)
+    if args.plot:
+        out.print(f"plot written to {args.plot}")
     return 0
 
 
-def _bar(console, total: int, *, enabled: bool):
+def _bar(console, name: str, total: int, *, enabled: bool):
     from contextlib import contextmanager
 
     @contextmanager
@@ -83,7 +92,7 @@ def _bar(console, total: int, *, enabled: bool):
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        with Progress(TextColumn("phonebook"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[at]}"),
+        with Progress(TextColumn(f"phonebook {name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[at]}"),
                       console=console, transient=True) as progress:
             task = progress.add_task("sizes", total=total, at="")
             yield lambda entries: progress.update(task, advance=1, at=f"{entries} entries done")
@@ -91,7 +100,7 @@ def _bar(console, total: int, *, enabled: bool):
     return bar()
 
 
-def _table(console, name: str, rows: list[dict], plot: str | None) -> None:
+def _table(console, name: str, rows: list[dict]) -> None:
     from rich.table import Table
 
     from kvstate.memory import format_bytes
@@ -103,5 +112,3 @@ def _table(console, name: str, rows: list[dict], plot: str | None) -> None:
         table.add_row(str(r["entries"]), str(r["prompt_tokens"]), f"{r['accuracy']:.0%}",
                       format_bytes(r["kv_bytes"]), format_bytes(r["state_bytes"]))
     console.print(table)
-    if plot:
-        console.print(f"plot written to {plot}")
