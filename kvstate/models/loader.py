@@ -83,6 +83,17 @@ def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
     return torch.bfloat16 if sizes["BF16"] > sizes["other"] else torch.float32
 
 
+def open_checkpoint(path: str | Path):
+    """-> (directory, plan, family adapter, model options, safetensors files) of a checkpoint directory
+    or hub id: what building and loading a model (whole, or one tensor-parallel rank's part) starts from."""
+    path = resolve_checkpoint(path)
+    if not path.is_dir():
+        raise KvstateError(f"{path}: not a checkpoint directory")
+    plan = read_plan(path)
+    family = family_of(plan)
+    return path, plan, family, family.model_options(ConfigView(plan.config, plan.source)), safetensors_files(path)
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, weight_dtype=None):
     """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub).
@@ -90,13 +101,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     `progress(bytes_done, bytes_total)`, if given, is called as tensors load (for a progress bar).
     `weight_dtype` ("bf16", "fp32", a torch dtype; None: the checkpoint's) stores the big matrices
     (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`."""
-    path = resolve_checkpoint(path)
-    if not path.is_dir():
-        raise KvstateError(f"{path}: not a checkpoint directory")
-    plan = read_plan(path)
-    family = family_of(plan)
-    opts = family.model_options(ConfigView(plan.config, plan.source))
-    files = safetensors_files(path)
+    path, plan, family, opts, files = open_checkpoint(path)
     wanted = weight_dtype_of(weight_dtype)
     model = build_model(plan, opts, device="meta")
     model.to(dtype)  # on meta: nothing is allocated yet

@@ -24,16 +24,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from kvstate.config import read_plan
-from kvstate.config.fields import ConfigView
 from kvstate.config.plan import Mamba1Spec, Mamba2Spec
 from kvstate.errors import KvstateError
-from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.dispatch import linear
 from kvstate.layers.moe import Experts
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.models.build import build_ffn, build_model, fuse_projections, set_weight_dtype
-from kvstate.models.loader import _copy, checkpoint_weight_dtype, family_of, safetensors_files, weight_dtype_of
+from kvstate.models.loader import _copy, checkpoint_weight_dtype, open_checkpoint, weight_dtype_of
 from kvstate.parallel.comm import TPGroup
 from kvstate.parallel.plan import shard_plan, vocab_range
 from kvstate.parallel.shard import model_cuts, read_target
@@ -162,14 +159,8 @@ def parallelize(model: nn.Module, plan, group: TPGroup) -> nn.Module:
 
 def load_shard(path, group: TPGroup, *, weight_dtype=None):
     """-> (rank's model in eval mode, full plan). Reads only the rank's part of each sharded tensor."""
-    path = resolve_checkpoint(path)
-    if not path.is_dir():
-        raise KvstateError(f"{path}: not a checkpoint directory")
-    plan = read_plan(path)
-    family = family_of(plan)
-    opts = family.model_options(ConfigView(plan.config, plan.source))
+    path, plan, family, opts, files = open_checkpoint(path)
     local = shard_plan(plan, group.size, group.rank)
-    files = safetensors_files(path)
     model = build_model(local, opts, device="meta")
     _local_experts(model, plan, opts, group.size, group.rank)
     set_weight_dtype(model, weight_dtype_of(weight_dtype) or checkpoint_weight_dtype(files))
