@@ -193,14 +193,22 @@ class PrefixCache:
 
     def _subsumed(self, cands: list[Snapshot]) -> set[int]:
         """ids of the candidates that other snapshots extend in one direction only (not branch points)."""
-        held = sorted(self.snapshots.values(), key=lambda s: s.num_tokens)
+        held = list(self.snapshots.values())
         out = set()
         for s in cands:
-            ways = {x.tokens[s.num_tokens] for x in held
-                    if x.num_tokens > s.num_tokens and x.tokens[:s.num_tokens] == s.tokens}
+            ways = {x.tokens[s.num_tokens] for x in held if x.num_tokens > s.num_tokens and self._extends(x, s)}
             if len(ways) == 1:
                 out.add(id(s))
         return out
+
+    def _extends(self, x: Snapshot, s: Snapshot) -> bool:
+        """Whether x's prefix starts with s's: the hash chain of s's full blocks, then its tail tokens
+        (at most a block compared, not the whole prefix: this runs per pair at every eviction)."""
+        full = len(s.chain)
+        if full and x.chain[full - 1] != s.chain[-1]:
+            return False
+        start = full * self.block_size
+        return x.tokens[start:s.num_tokens] == s.tokens[start:]
 
     def saved_flops(self, p: int) -> float:
         return self.a * p + self.b * p * p
