@@ -3,7 +3,8 @@
 `profile_decode(llm, prompt, steps)` drives the engine core one step at a time on one request
 (or several: a batch) and times, by wall clock, each named part of the step:
 - `linear`: every `kernels.linear` call (the projections, the LM head): the weight streaming;
-- `recurrent`: the decode form of the recurrences (state read, update, write);
+- `recurrent`: the decode form of the recurrences (state read, update, write); with the fused
+  Gated DeltaNet kernel (`kernels.decode.gdn_decode`) also that layer's conv, gates and output norm;
 - `conv`: the short-conv window update; `attention`: KV writes and paged attention;
 - `norm`: RMSNorm / gated RMSNorm; `rotary`; `sampling`: the runner's sampler;
 - `model other`: the rest of the model forward (gates, residual adds, views, embedding, Python);
@@ -22,8 +23,8 @@ from collections import defaultdict
 # part -> [(module path, attribute)] whose calls are that part's time
 _HOOKS: dict[str, list[tuple[str, str]]] = {
     "linear": [("kvstate.kernels.fused", "linear"), ("kvstate.kernels.linear_module", "linear")],
-    "recurrent": [("kvstate.layers.recurrence", "_decode")],
-    "conv": [("kvstate.layers.recurrence", "causal_conv1d_update")],
+    "recurrent": [("kvstate.layers.recurrence", "_decode"), ("kvstate.kernels.decode", "gdn_decode")],
+    "conv": [("kvstate.layers.recurrence", "causal_conv1d_update"), ("kvstate.kernels.decode", "conv_update")],
     "attention": [("kvstate.layers.attention", "paged_attention"), ("kvstate.layers.attention", "write_kv")],
     "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.layers.norm.GatedRMSNorm", "forward")],
     "rotary": [("kvstate.layers.rope.Rotary", "forward")],

@@ -4,6 +4,9 @@ in_proj_qkv -> short causal conv (SiLU) -> q, k, v heads; beta = sigmoid(in_proj
 g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias); gated delta rule with L2-normed q, k;
 gated RMSNorm with z = in_proj_z(x); out_proj. The conv window [conv_dim, W] and the state
 [HV, K, V] live in the layer's state slots; `layers.recurrence` runs prefill and decode entries.
+A decode-only step runs everything between the projections as one compiled kernel per layer
+(`kernels.decode.gdn_decode`) when it serves the call; otherwise the ops below, each of which may
+still use its own kernel (gates, conv step, recurrent step, norm).
 Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into these four at load time.
 """
 
@@ -13,12 +16,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels import decode as kdecode
 from kvstate.kernels.fused import project
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
-OPS = RecurrentOps(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+
+
+def _recurrent(q, k, v, g, beta, *, initial_state=None, state_indices=None, inplace_final_state=False,
+               use_qk_l2norm_in_kernel=False, scale=None, **rest):
+    """The decode form: the compiled step for one token per sequence updating the pool in place
+    (recurrence's decode entries), `recurrent_gated_delta_rule` for everything else."""
+    if not rest and inplace_final_state and state_indices is not None and q.shape[1] == 1:
+        o = kdecode.gdn_recurrent(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], pool=initial_state,
+                                  slots=state_indices, scale=scale, l2=use_qk_l2norm_in_kernel)
+        if o is not None:
+            return o.unsqueeze(1), initial_state  # [n, 1, HV, V]
+    return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, state_indices=state_indices,
+                                      inplace_final_state=inplace_final_state, scale=scale,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **rest)
+
+
+OPS = RecurrentOps(chunk_gated_delta_rule, _recurrent)
 
 
 class GatedDeltaNet(nn.Module):
@@ -49,10 +69,21 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)  # one call if fused
+        if batch.decode_only and self.act == "silu":
+            o = kdecode.gdn_decode(qkv, z, a, b, conv_pool=cache.conv, conv_weight=self.conv_weight,
+                                   state_pool=cache.state, group=batch.groups[0], A_log=self.A_log,
+                                   dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
+                                   num_k_heads=self.num_k_heads)  # [T, HV * V], or None if not served
+            if o is not None:
+                return self.out_proj(o)
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(b.float())  # [T, HV]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV]
+        gates = kdecode.gdn_gates(a, b, self.A_log, self.dt_bias)
+        if gates is not None:
+            g, beta = gates
+        else:
+            beta = torch.sigmoid(b.float())  # [T, HV]
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV]
         tokens = dict(q=q.view(t, self.num_k_heads, self.head_k_dim), k=k.view(t, self.num_k_heads, self.head_k_dim),
                       v=v.view(t, self.num_v_heads, self.head_v_dim), g=g, beta=beta)
         o = recur(OPS, cache.state, batch, tokens, use_qk_l2norm_in_kernel=True)  # [T, HV, V]; state [HV, K, V]

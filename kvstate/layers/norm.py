@@ -5,6 +5,7 @@
 - `GatedRMSNorm`: the output norm of linear mixers, with a gate z: norm-then-gate
   (Qwen's GDN: w * norm(x) * silu(z)) or gate-then-norm over groups (Mamba-2 / Nemotron-H:
   w * norm_g(x * silu(z))).
+Decode-sized fp32 inputs go through the compiled kernels (`kernels.decode`) when they serve them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvstate.kernels import decode as kdecode
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,6 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kdecode.rms_norm(x, self.weight, self.eps, self.offset)
+        if y is not None:
+            return y
         w = self.weight.float() + self.offset if self.offset else self.weight.float()
         return (rms_normalize(x, self.eps) * w).to(x.dtype)
 
@@ -44,10 +50,15 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size or dim
+        self.activation = activation
         self.act = _GATES[activation]
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.norm_before_gate and self.activation == "silu" and self.group_size == x.shape[-1]:
+            y = kdecode.gated_rms_norm(x, gate, self.weight, self.eps)
+            if y is not None:
+                return y
         dtype = x.dtype
         x, gate = x.float(), gate.float()
         if not self.norm_before_gate:

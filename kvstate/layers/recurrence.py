@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from kvstate.kernels import decode as kdecode
 from kvstate.ops import causal_conv1d, causal_conv1d_update
 
 
@@ -66,11 +67,11 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
     conv window [D, W or W-1] in its slot of `pool` (one-step update for decode, varlen for prefill)."""
     parts = []
     for group in batch.groups:
-        xg, state = x[group.rows], _rows(pool, group)  # [T_g, D], [n, D, S]
+        xg = x[group.rows]  # [T_g, D]
         if group.mode == "decode":
-            y = causal_conv1d_update(xg, state, weight, bias, activation=activation)  # shifts `state` in place
-            _write(pool, group, state)
+            y = _conv_decode(xg, pool, group, weight, bias, activation)
         else:
+            state = _rows(pool, group)  # [n, D, S]
             y, final = causal_conv1d(xg[None], weight, bias, activation=activation, initial_state=state,
                                      output_final_state=True, cu_seqlens=group.cu_seqlens)
             y = y[0]
@@ -79,6 +80,19 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
                 batch.rollback.append((pool, group, _windows(state, xg, batch, group)))
         parts.append((group.rows, y))
     return _scatter(parts, x.shape[0])
+
+
+def _conv_decode(x: torch.Tensor, pool: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tensor | None,
+                 activation: str | None) -> torch.Tensor:
+    """One token per entry: the compiled step shifts the pool's windows in place, or torch on a copy."""
+    if group.fresh_slots is not None:
+        pool.index_fill_(0, group.fresh_slots, 0)
+    y = kdecode.conv_update(x, pool, group.slots, weight, bias, activation)
+    if y is None:
+        state = pool.index_select(0, group.slots)  # [n, D, S]
+        y = causal_conv1d_update(x, state, weight, bias, activation=activation)  # shifts `state` in place
+        _write(pool, group, state)
+    return y
 
 
 def _windows(state: torch.Tensor, x: torch.Tensor, batch, group) -> torch.Tensor:

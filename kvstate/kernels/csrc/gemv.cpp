@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_ops.h"
 #include "gemv.h"
 
 namespace {
@@ -106,4 +107,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (+ bias)", pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");
   m.def("isas", &isas, "ISAs this CPU can run, best first");
+  kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
 }

@@ -1,0 +1,238 @@
+// Python binding of the decode-step ops (decode_ops.h): argument checks, slot lookups, scratch,
+// and the split over torch's intra-op threads (the caller decides how many: inside a decode
+// step torch runs single-threaded unless kvstate.kernels.decode widens a big call).
+//
+// Rows: 2-D float32 tensors whose last dimension is contiguous (any row stride, so the column
+// views that `kernels.fused.project` returns go in without a copy). State pools: contiguous
+// float32 [P, ...] updated in place at `slots` (int64 [n], distinct, in [0, P)).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "decode_ops.h"
+
+namespace {
+
+using torch::Tensor;
+constexpr int64_t kGrainBytes = 256 << 10;  // a thread's least share of state bytes
+
+void check_rows(const Tensor& t, const char* name, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2,
+              "kvstate decode: ", name, " must be a CPU float32 [rows, cols] tensor");
+  TORCH_CHECK(t.size(0) == rows && t.size(1) == cols, "kvstate decode: ", name, " must be [", rows, ", ", cols,
+              "], got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1 || cols <= 1, "kvstate decode: ", name, " must have a contiguous last dimension");
+}
+
+void check_vec(const Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+              "kvstate decode: ", name, " must be a contiguous CPU float32 tensor of ", n, " elements");
+}
+
+void check_pool(const Tensor& pool, const char* name, const Tensor& slots, int64_t n) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
+              "kvstate decode: ", name, " must be a contiguous CPU float32 pool");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.numel() == n && slots.is_contiguous(),
+              "kvstate decode: slots must be a contiguous int64 [", n, "] tensor");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < pool.size(0), "kvstate decode: slot ", s[i], " outside ", name, "'s ",
+                pool.size(0), " slots");
+}
+
+int64_t grain(int64_t item_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, item_bytes)); }
+
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset) {
+  const int64_t M = x.size(0), D = w.numel();
+  check_rows(x, "x", M, D);
+  check_vec(w, "weight", D);
+  auto y = at::empty({M, D}, x.options());
+  for (int64_t i = 0; i < M; ++i)
+    kvstate::dec::rms_norm_row(x.data_ptr<float>() + i * x.stride(0), w.data_ptr<float>(), offset, eps, D,
+                               y.data_ptr<float>() + i * D);
+  return y;
+}
+
+Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& w, double eps) {
+  const int64_t M = x.size(0), D = w.numel();
+  check_rows(x, "x", M, D);
+  check_rows(z, "gate", M, D);
+  check_vec(w, "weight", D);
+  auto y = at::empty({M, D}, x.options());
+  for (int64_t i = 0; i < M; ++i)
+    kvstate::dec::gated_rms_norm_row(x.data_ptr<float>() + i * x.stride(0), z.data_ptr<float>() + i * z.stride(0),
+                                     w.data_ptr<float>(), eps, D, y.data_ptr<float>() + i * D);
+  return y;
+}
+
+std::tuple<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias) {
+  const int64_t M = a.size(0), HV = A_log.numel();
+  check_rows(a, "a", M, HV);
+  check_rows(b, "b", M, HV);
+  check_vec(A_log, "A_log", HV);
+  check_vec(dt_bias, "dt_bias", HV);
+  auto g = at::empty({M, HV}, a.options()), beta = at::empty({M, HV}, a.options());
+  for (int64_t i = 0; i < M; ++i)
+    kvstate::dec::gdn_gates_row(a.data_ptr<float>() + i * a.stride(0), b.data_ptr<float>() + i * b.stride(0),
+                                A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), HV, g.data_ptr<float>() + i * HV,
+                                beta.data_ptr<float>() + i * HV);
+  return {g, beta};
+}
+
+Tensor conv_update(const Tensor& x, Tensor pool, const Tensor& slots, const Tensor& w,
+                   const c10::optional<Tensor>& bias, bool silu) {
+  const int64_t n = x.size(0), D = w.size(0), W = w.size(1);
+  check_rows(x, "x", n, D);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kFloat, "kvstate decode: conv weight "
+              "must be a contiguous float32 [D, W] tensor");
+  check_pool(pool, "conv pool", slots, n);
+  TORCH_CHECK(pool.dim() == 3 && pool.size(1) == D && pool.size(2) >= W - 1, "kvstate decode: conv pool must be "
+              "[P, ", D, ", >= ", W - 1, "], got ", pool.sizes());
+  if (bias.has_value()) check_vec(*bias, "conv bias", D);
+  const int64_t S = pool.size(2);
+  auto y = at::empty({n, D}, x.options());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, n, grain(D * S * 4), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      kvstate::dec::conv_row(x.data_ptr<float>() + i * x.stride(0), pool.data_ptr<float>() + sl[i] * D * S,
+                             w.data_ptr<float>(), bp, D, W, S, silu, y.data_ptr<float>() + i * D);
+  });
+  return y;
+}
+
+// The per-head recurrence over n sequences: qk rows [n, 2, H, K] (row stride qk_stride;
+// normalized, q scaled), v rows
+// [n, HV * V] (row stride v_stride), decay / beta [n, HV] -> o [n, HV, V]; then, given a norm
+// weight, each head's o through the gated RMSNorm with z rows [n, HV * V].
+struct HeadArgs {
+  const float *qk, *v, *decay, *beta, *z, *norm_w;
+  int64_t qk_stride, v_stride, z_stride, H, HV, K, V;
+  float norm_eps;
+  float* state;
+  const int64_t* slots;
+  float* o;
+};
+
+void heads(const HeadArgs& a, int64_t n) {
+  const int64_t per_key = a.HV / a.H;
+  at::parallel_for(0, n * a.HV, grain(a.K * a.V * 4), [&](int64_t j0, int64_t j1) {
+    std::vector<float> tmp(2 * a.V);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = j / a.HV, h = j % a.HV, kh = h / per_key;
+      const float* q = a.qk + i * a.qk_stride + kh * a.K;
+      float* o = a.o + j * a.V;
+      kvstate::dec::gdn_head(a.state + (a.slots[i] * a.HV + h) * a.K * a.V, q, q + a.H * a.K,
+                             a.v + i * a.v_stride + h * a.V, std::exp(a.decay[j]), a.beta[j], a.K, a.V, o,
+                             tmp.data());
+      if (a.norm_w != nullptr)
+        kvstate::dec::gated_rms_norm_row(o, a.z + i * a.z_stride + h * a.V, a.norm_w, a.norm_eps, a.V, o);
+    }
+  });
+}
+
+Tensor gdn_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                     Tensor pool, const Tensor& slots, double scale, bool l2) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "kvstate decode: q, k must be [n, H, K] and v [n, HV, V]");
+  const int64_t n = q.size(0), H = q.size(1), K = q.size(2), HV = v.size(1), V = v.size(2);
+  TORCH_CHECK(H > 0 && HV % H == 0, "kvstate decode: value heads must be a multiple of key heads");
+  check_pool(pool, "state pool", slots, n);
+  TORCH_CHECK(pool.dim() == 4 && pool.size(1) == HV && pool.size(2) == K && pool.size(3) == V,
+              "kvstate decode: state pool must be [P, ", HV, ", ", K, ", ", V, "], got ", pool.sizes());
+  auto qk = at::stack({q, k}, 1).to(at::kFloat).contiguous();  // [n, 2, H, K]: ours to normalize
+  auto vc = v.to(at::kFloat).contiguous();
+  auto gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
+  TORCH_CHECK(gc.numel() == n * HV && bc.numel() == n * HV, "kvstate decode: g and beta must be [n, HV]");
+  auto o = at::empty({n, HV, V}, qk.options());
+  pybind11::gil_scoped_release no_gil;
+  float* qkp = qk.data_ptr<float>();
+  for (int64_t r = 0; r < 2 * n * H; ++r) {
+    const bool is_q = (r / H) % 2 == 0;
+    if (l2)
+      kvstate::dec::l2norm_scale(qkp + r * K, K, is_q ? scale : 1.f);
+    else if (is_q)
+      for (int64_t c = 0; c < K; ++c) qkp[r * K + c] *= static_cast<float>(scale);
+  }
+  heads(HeadArgs{qkp, vc.data_ptr<float>(), gc.data_ptr<float>(), bc.data_ptr<float>(), nullptr, nullptr, 2 * H * K,
+                 HV * V, 0, H, HV, K, V, 0.f, pool.data_ptr<float>(), slots.data_ptr<int64_t>(), o.data_ptr<float>()},
+        n);
+  return o;
+}
+
+// All of Gated DeltaNet's decode work between in_proj and out_proj, for n sequences of one token:
+// conv window update + SiLU, q/k l2norm (q scaled), gates, the state update, the gated RMSNorm.
+Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, Tensor conv_pool,
+                  const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H) {
+  TORCH_CHECK(state_pool.dim() == 4, "kvstate decode: state pool must be [P, HV, K, V]");
+  const int64_t n = qkv.size(0), HV = state_pool.size(1), K = state_pool.size(2), V = state_pool.size(3);
+  const int64_t D = 2 * H * K + HV * V;
+  TORCH_CHECK(H > 0 && HV % H == 0, "kvstate decode: value heads must be a multiple of key heads");
+  check_rows(qkv, "qkv", n, D);
+  check_rows(z, "z", n, HV * V);
+  check_rows(a, "a", n, HV);
+  check_rows(b, "b", n, HV);
+  check_vec(A_log, "A_log", HV);
+  check_vec(dt_bias, "dt_bias", HV);
+  check_vec(norm_w, "norm weight", V);
+  check_pool(state_pool, "state pool", slots, n);
+  check_pool(conv_pool, "conv pool", slots, n);
+  const int64_t W = conv_w.size(1), S = conv_pool.size(2);
+  TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(0) == D && conv_w.is_contiguous() &&
+                  conv_w.scalar_type() == at::kFloat,
+              "kvstate decode: conv weight must be a contiguous float32 [", D, ", W] tensor");
+  TORCH_CHECK(conv_pool.dim() == 3 && conv_pool.size(1) == D && S >= W - 1, "kvstate decode: conv pool must be [P, ",
+              D, ", >= ", W - 1, "]");
+  auto y = at::empty({n, D}, qkv.options());       // conv output: q | k | v
+  auto gb = at::empty({2, n, HV}, qkv.options());  // decay (log), beta
+  auto o = at::empty({n, HV * V}, qkv.options());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float *yp = y.data_ptr<float>(), *gp = gb.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, n, grain(D * S * 4), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* yi = yp + i * D;
+      kvstate::dec::conv_row(qkv.data_ptr<float>() + i * qkv.stride(0), conv_pool.data_ptr<float>() + sl[i] * D * S,
+                             conv_w.data_ptr<float>(), nullptr, D, W, S, true, yi);
+      for (int64_t r = 0; r < 2 * H; ++r) kvstate::dec::l2norm_scale(yi + r * K, K, r < H ? scale : 1.f);
+      kvstate::dec::gdn_gates_row(a.data_ptr<float>() + i * a.stride(0), b.data_ptr<float>() + i * b.stride(0),
+                                  A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), HV, gp + i * HV,
+                                  gp + (n + i) * HV);
+    }
+  });
+  // qk rows of y are [q heads | k heads] = [2, H, K] per sequence, with row stride D
+  HeadArgs args{yp, yp + 2 * H * K, gp, gp + n * HV, z.data_ptr<float>(), norm_w.data_ptr<float>(), D, D, z.stride(0),
+                H, HV, K, V, static_cast<float>(norm_eps), state_pool.data_ptr<float>(), sl, o.data_ptr<float>()};
+  heads(args, n);
+  return o;
+}
+
+}  // namespace
+
+namespace kvstate {
+
+void register_decode_ops(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("rms_norm", &rms_norm, "y[M, D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::arg("offset") = 0.0);
+  m.def("gated_rms_norm", &gated_rms_norm, "y[M, D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("gdn_gates", &gdn_gates, "(g, beta)[M, HV]: -exp(A_log) softplus(a + dt_bias), sigmoid(b)", py::arg("a"),
+        py::arg("b"), py::arg("A_log"), py::arg("dt_bias"));
+  m.def("conv_update", &conv_update, "one causal-conv1d step, the pool's windows at slots shifted in place",
+        py::arg("x"), py::arg("pool"), py::arg("slots"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("silu") = true);
+  m.def("gdn_recurrent", &gdn_recurrent, "one gated-delta-rule token per sequence, the pool's states updated in place",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("pool"), py::arg("slots"),
+        py::arg("scale"), py::arg("l2") = true);
+  m.def("gdn_decode", &gdn_decode, "Gated DeltaNet between its projections, one token per sequence",
+        py::arg("qkv"), py::arg("z"), py::arg("a"), py::arg("b"), py::arg("conv_pool"), py::arg("conv_weight"),
+        py::arg("state_pool"), py::arg("slots"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_weight"),
+        py::arg("norm_eps"), py::arg("scale"), py::arg("num_k_heads"));
+}
+
+}  // namespace kvstate

@@ -1,0 +1,38 @@
+// The per-layer work of a decode step (one token per sequence) around the GEMVs: RMSNorms, GDN's
+// gates, the causal-conv1d window update and the gated delta rule's recurrent step, fp32 math on
+// raw rows. decode_kernels.cpp holds the math (AVX2+FMA code), decode_ops.cpp the Python binding
+// (checks, threads); `register_decode_ops` adds them to the extension module of gemv.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace pybind11 {
+class module_;
+}  // namespace pybind11
+
+namespace kvstate::dec {
+
+// y[D] = x * rsqrt(mean(x^2) + eps) * (w + offset)  (offset 1: Qwen's zero-centred weights)
+void rms_norm_row(const float* x, const float* w, float offset, float eps, int64_t D, float* y);
+// y[D] = x * rsqrt(mean(x^2) + eps) * w * silu(z)  (Qwen's GDN output norm; y may alias x)
+void gated_rms_norm_row(const float* x, const float* z, const float* w, float eps, int64_t D, float* y);
+// per head: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
+void gdn_gates_row(const float* a, const float* b, const float* A_log, const float* dt_bias, int64_t HV, float* g,
+                   float* beta);
+// One conv step of D channels: window state [D, S] (newest column last, S >= W - 1) shifted in
+// place to end with x; y[d] = act(bias[d] + sum_k window[d, S - W + 1 + k] * w[d, k] + x[d] * w[d, W-1]).
+void conv_row(const float* x, float* state, const float* w, const float* bias, int64_t D, int64_t W, int64_t S,
+              bool silu, float* y);
+// x[n] *= rsqrt(sum(x^2) + 1e-6) * scale (the l2norm of q and k, q's scale folded in)
+void l2norm_scale(float* x, int64_t n, float scale);
+// One token of the gated delta rule on one head's state S [K, V] (updated in place), q already
+// l2-normed and scaled, k l2-normed: S' = decay S; u = beta (v - S'^T k); S <- S' + k u^T; o = S^T q.
+// tmp: 2 * V floats of scratch.
+void gdn_head(float* S, const float* q, const float* k, const float* v, float decay, float beta, int64_t K,
+              int64_t V, float* o, float* tmp);
+
+}  // namespace kvstate::dec
+
+namespace kvstate {
+void register_decode_ops(pybind11::module_& m);
+}  // namespace kvstate

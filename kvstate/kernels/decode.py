@@ -1,0 +1,120 @@
+"""The small ops of a decode step as compiled kernels: norms, GDN's gates, conv and state updates.
+
+Around its GEMVs a decode step runs, per layer, a few dozen torch ops on vectors of a few thousand
+floats (an RMSNorm alone is ~8 ops and temporaries): at batch 1 their dispatch costs about as much
+as streaming a third of the weights. Each function here runs the extension's kernel (csrc/
+decode_ops.cpp: one pass, no temporaries) when it serves the call and returns None when it does
+not, and the layer then runs its torch code, which stays the reference. A kernel serves CPU
+float32 inputs of at most `MAX_ROWS` rows (tokens: decode, not prefill), outside autograd, with
+the extension built; `KVSTATE_KERNELS=torch` or `kernels.backend("torch")` turn them off with the
+linear kernels. State pools are updated in place at the entries' slots, as the torch path does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstate.kernels import _ext
+from kvstate.kernels.dispatch import _choice
+from kvstate.kernels.threads import _wide
+
+MAX_ROWS = 64
+# Recurrent-state bytes of a call from which it gets all threads inside `small_ops_serial` (the
+# state update streams them like a GEMV streams weights); below, waking a thread costs more.
+WIDE_STATE_BYTES = 4 << 20
+
+
+def _ext_for(rows: int, *tensors: torch.Tensor | None):
+    """The extension if its kernels serve these tensors (float32, CPU, no autograd, few rows), else None."""
+    if rows > MAX_ROWS or _choice() == "torch":
+        return None
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad)):
+            return None
+    return _ext.load()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as [rows, D] with a contiguous last dimension (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _wide_call(state_bytes: int, fn, *args):
+    """fn(*args), with all the step's threads when the state it updates is big (see WIDE_STATE_BYTES)."""
+    wide = _wide.get()
+    if wide is None or state_bytes < WIDE_STATE_BYTES:
+        return fn(*args)
+    torch.set_num_threads(wide)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor | None:
+    """x [..., D] * rsqrt(mean(x^2) + eps) * (weight + offset), or None."""
+    d = x.shape[-1]
+    ext = _ext_for(x.numel() // max(d, 1), x, weight)
+    if ext is None or d == 0 or not weight.is_contiguous():
+        return None
+    return ext.rms_norm(_rows(x), weight, eps, offset).view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """rmsnorm(x [..., D]) * weight * silu(gate) (norm before gate, one group), or None."""
+    d = x.shape[-1]
+    ext = _ext_for(x.numel() // max(d, 1), x, gate, weight)
+    if ext is None or d == 0 or not weight.is_contiguous() or gate.shape != x.shape:
+        return None
+    return ext.gated_rms_norm(_rows(x), _rows(gate), weight, eps).view(x.shape)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) [T, HV] = (-exp(A_log) * softplus(a + dt_bias), sigmoid(b)) for a, b [T, HV], or None."""
+    ext = _ext_for(a.shape[0], a, b, A_log, dt_bias)
+    if ext is None or a.dim() != 2 or b.shape != a.shape or not (A_log.is_contiguous() and dt_bias.is_contiguous()):
+        return None
+    return ext.gdn_gates(_rows(a), _rows(b), A_log, dt_bias)
+
+
+def conv_update(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
+    """One causal-conv1d step: x [n, D], the windows pool[slots] [n, D, S] shifted in place -> y [n, D], or None."""
+    ext = _ext_for(x.shape[0], x, pool, weight, bias)
+    if ext is None or activation not in (None, "silu") or x.dim() != 2 or not pool.is_contiguous() \
+            or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return None
+    return ext.conv_update(_rows(x), pool, slots, weight, bias, activation == "silu")
+
+
+def gdn_recurrent(q, k, v, g, beta, *, pool: torch.Tensor, slots: torch.Tensor, scale: float | None,
+                  l2: bool) -> torch.Tensor | None:
+    """One gated-delta-rule token per sequence: q, k [n, H, K], v [n, HV, V], g, beta [n, HV]; the
+    states pool[slots] [n, HV, K, V] updated in place -> o [n, HV, V], or None."""
+    ext = _ext_for(q.shape[0], q, k, v, g, beta, pool)
+    if ext is None or not pool.is_contiguous():
+        return None
+    n, hv, dk, dv = q.shape[0], *pool.shape[1:]
+    return _wide_call(n * hv * dk * dv * 4, ext.gdn_recurrent, q, k, v, g, beta, pool, slots,
+                      dk**-0.5 if scale is None else float(scale), l2)
+
+
+def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, conv_pool: torch.Tensor,
+               conv_weight: torch.Tensor, state_pool: torch.Tensor, group, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+               num_k_heads: int) -> torch.Tensor | None:
+    """Gated DeltaNet between in_proj and out_proj for one token per sequence (the decode `group`):
+    conv window + SiLU, q/k l2norm (q scaled by K^-0.5), gates, state update, gated RMSNorm
+    -> o [n, HV * V]; both pools updated in place at the group's slots. None when not served."""
+    n = qkv.shape[0]
+    ext = _ext_for(n, qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
+    if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
+        return None
+    if group.fresh_slots is not None:  # entries with an empty cache start from zeros
+        conv_pool.index_fill_(0, group.fresh_slots, 0)
+        state_pool.index_fill_(0, group.fresh_slots, 0)
+    _, hv, dk, dv = state_pool.shape
+    return _wide_call(n * hv * dk * dv * 4, ext.gdn_decode, qkv, z, a, b, conv_pool, conv_weight, state_pool,
+                      group.slots, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
