@@ -5,7 +5,8 @@
 - `linear`: every `kernels.linear` call (the projections, the LM head): the weight streaming;
 - `recurrent`: the decode form of the recurrences (state read, update, write); with the fused
   Gated DeltaNet kernel (`kernels.decode.gdn_decode`) also that layer's conv, gates and output norm;
-- `conv`: the short-conv window update; `attention`: KV writes and paged attention;
+- `conv`: the short-conv window update; `attention`: KV writes and paged attention (with the fused
+  kernel, `kernels.decode.attention_decode`, also q/k norms, rotary and the output gate);
 - `norm`: RMSNorm / gated RMSNorm; `rotary`; `sampling`: the runner's sampler;
 - `model other`: the rest of the model forward (gates, residual adds, views, embedding, Python);
 - `runner other`: building the packed Batch and the input tensors, slot copies;
@@ -25,7 +26,8 @@ _HOOKS: dict[str, list[tuple[str, str]]] = {
     "linear": [("kvstate.kernels.fused", "linear"), ("kvstate.kernels.linear_module", "linear")],
     "recurrent": [("kvstate.layers.recurrence", "_decode"), ("kvstate.kernels.decode", "gdn_decode")],
     "conv": [("kvstate.layers.recurrence", "causal_conv1d_update"), ("kvstate.kernels.decode", "conv_update")],
-    "attention": [("kvstate.layers.attention", "paged_attention"), ("kvstate.layers.attention", "write_kv")],
+    "attention": [("kvstate.layers.attention", "paged_attention"), ("kvstate.layers.attention", "write_kv"),
+                  ("kvstate.kernels.decode", "attention_decode")],
     "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.layers.norm.GatedRMSNorm", "forward")],
     "rotary": [("kvstate.layers.rope.Rotary", "forward")],
     "sampling": [("kvstate.engine.runner", "sample")],

@@ -118,3 +118,25 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     _, hv, dk, dv = state_pool.shape
     return _wide_call(n * hv * dk * dv * 4, ext.gdn_decode, qkv, z, a, b, conv_pool, conv_weight, state_pool,
                       group.slots, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, q_norm,
+                     k_norm, rotary, batch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+    """Full attention for one query per sequence (a decode-only `batch`): q [n, H, D], k [n, Hkv, D],
+    v [n, Hkv, Dv], gate [n, H, Dv] or None; q_norm / k_norm the per-head RMSNorms or None; rotary
+    the layer's `Rotary` or None. Writes k (normed, rotated) and v at the batch's KV rows and
+    returns o [n, H * Dv] (gated), or None when not served."""
+    inv_freq = None if rotary is None else rotary.inv_freq
+    qw = None if q_norm is None else q_norm.weight
+    kw = None if k_norm is None else k_norm.weight
+    ext = _ext_for(q.shape[0], q, k, v, gate, qw, kw, inv_freq, k_cache, v_cache)
+    if ext is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or (q_norm is None) != (k_norm is None):
+        return None
+    if q_norm is not None and (q_norm.eps != k_norm.eps or q_norm.offset != k_norm.offset):
+        return None
+    if rotary is not None and 2 * inv_freq.numel() != rotary.rotary_dim:
+        return None
+    eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
+    return ext.attention_decode(q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions, k_cache, v_cache,
+                                batch.block_tables, batch.kv_indices, scale)

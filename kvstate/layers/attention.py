@@ -3,6 +3,8 @@
 Options cover the families: an output gate (Qwen3.5 / Qwen3-Next: q_proj is twice as wide and
 each head's second half gates the output through a sigmoid), per-head q/k RMSNorm, partial
 rotary or no positions at all (Jamba and Nemotron-H attention have no RoPE), and biases.
+A decode-only step runs everything between the projections as one compiled kernel
+(`kernels.decode.attention_decode`) when it serves the call.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvstate.kernels import decode as kdecode
 from kvstate.kernels.fused import project
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.rope import Rotary
@@ -52,11 +55,16 @@ class Attention(nn.Module):
         gate = None
         if self.output_gate:
             # [T, H, 2D]: per head the first D are the query, the last D the gate
-            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(t, -1)
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # gate [T, H, D]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if batch.decode_only:
+            o = kdecode.attention_decode(q, k, v, gate, q_norm=self.q_norm,
+                                         k_norm=self.k_norm, rotary=self.rotary, batch=batch, k_cache=cache.k,
+                                         v_cache=cache.v, scale=self.scale)  # [T, H * D], or None if not served
+            if o is not None:
+                return self.o_proj(o)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
@@ -65,5 +73,5 @@ class Attention(nn.Module):
         write_kv(cache.v, v, batch.kv_indices)
         o = paged_attention(q, cache.k, cache.v, batch, scale=self.scale).reshape(t, -1)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = o * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)

@@ -58,8 +58,12 @@ def test_engine_runs_decode_small_ops_on_one_thread(two_threads, monkeypatch, tm
                                                              forward(self, x))[1])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     serial = llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
-    per_step = len(threads) // 4  # one prefill step, three decode steps
-    assert threads[:per_step] == [2] * per_step and threads[per_step:] == [1] * (3 * per_step)
+    # one prefill step, then three decode steps, each with the same norms (the decode steps fewer:
+    # the fused attention kernel does q/k's norms itself)
+    n_prefill = len(threads) - threads[::-1].index(2)  # the calls up to the prefill's last
+    decode = threads[n_prefill:]
+    assert set(threads[:n_prefill]) == {2}
+    assert decode and len(decode) % 3 == 0 and decode == [1] * len(decode)
     llm.runner.serial_small_ops = False
     threads.clear()
     assert llm.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids == serial

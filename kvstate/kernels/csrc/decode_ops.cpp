@@ -217,6 +217,7 @@ namespace kvstate {
 
 void register_decode_ops(pybind11::module_& m) {
   namespace py = pybind11;
+  register_decode_attention(m);
   m.def("rms_norm", &rms_norm, "y[M, D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("offset") = 0.0);
   m.def("gated_rms_norm", &gated_rms_norm, "y[M, D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),

@@ -1,7 +1,8 @@
 // The per-layer work of a decode step (one token per sequence) around the GEMVs: RMSNorms, GDN's
 // gates, the causal-conv1d window update and the gated delta rule's recurrent step, fp32 math on
 // raw rows. decode_kernels.cpp holds the math (AVX2+FMA code), decode_ops.cpp the Python binding
-// (checks, threads); `register_decode_ops` adds them to the extension module of gemv.cpp.
+// (checks, threads); `register_decode_ops` adds them to the extension module of gemv.cpp, and
+// `register_decode_attention` the full-attention step of decode_attention.cpp.
 #pragma once
 
 #include <cstdint>
@@ -35,4 +36,5 @@ void gdn_head(float* S, const float* q, const float* k, const float* v, float de
 
 namespace kvstate {
 void register_decode_ops(pybind11::module_& m);
+void register_decode_attention(pybind11::module_& m);  // decode_attention.cpp
 }  // namespace kvstate

@@ -1,0 +1,72 @@
+"""The fused attention decode kernel (`kernels.decode.attention_decode`) against the layer's torch
+path: output gate, q/k RMSNorm and partial rotary on or off, grouped KV heads, head dims not
+multiples of 8, batch 1..17 with different context lengths in scattered KV blocks; the same
+output and the same KV pool afterwards."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstate import kernels
+from kvstate.kernels import _ext
+from kvstate.layers.attention import Attention
+from kvstate.layers.rope import Rotary
+from kvstate.models.batch import Batch
+from tests.kernels.conftest import extension
+from tests.kernels.test_decode_gdn import Spy
+from tests.kernels.test_decode_ops import rel
+
+BLOCK = 4
+
+
+def layer(gated: bool, seed: int = 0) -> Attention:
+    torch.manual_seed(seed)
+    h, hkv, d = 6, 2, 20
+    m = Attention(36, h, hkv, d, output_gate=gated, qk_norm=(1e-6, 1.0) if gated else None,
+                  rotary=Rotary(d, 8, 10000.0) if gated else None).requires_grad_(False)
+    for p in m.parameters():
+        p.normal_().mul_(p.shape[-1] ** -0.5 if p.dim() == 2 else 0.3)
+    return m
+
+
+def decode_step(n: int, g: torch.Generator):
+    """A decode batch of n entries with contexts 0..40 in shuffled, scattered blocks of a 200-block pool."""
+    ctx = torch.randint(0, 41, (n,), generator=g).tolist()
+    ctx[0] = 0 if n > 1 else 5  # a first token as well
+    free = torch.randperm(200, generator=g).tolist()
+    tables = [[free.pop() for _ in range(c // BLOCK + 1)] for c in ctx]
+    return Batch.build([1] * n, ctx, list(range(n)), tables, BLOCK)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_equals_torch(gated, monkeypatch):
+    ext = extension()
+    m = layer(gated)
+    g = torch.Generator().manual_seed(1)
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
+    for n in (1, 3, 17):
+        batch = decode_step(n, g)
+        cache = SimpleNamespace(k=torch.randn(200, BLOCK, 2, 20, generator=g),
+                                v=torch.randn(200, BLOCK, 2, 20, generator=g))
+        ref_cache = SimpleNamespace(k=cache.k.clone(), v=cache.v.clone())
+        x = torch.randn(n, 36, generator=g)
+        calls.clear()
+        with torch.inference_mode():
+            with kernels.backend("torch"):
+                ref = m(x, batch, ref_cache)
+            y = m(x, batch, cache)
+        assert calls.count("attention_decode") == 1, calls
+        assert rel(y, ref) < 1e-5
+        assert rel(cache.k, ref_cache.k) < 1e-6 and torch.equal(cache.v, ref_cache.v)
+
+
+def test_rows_outside_the_pool_are_refused():
+    extension()
+    m = layer(True)
+    g = torch.Generator().manual_seed(2)
+    cache = SimpleNamespace(k=torch.zeros(3, BLOCK, 2, 20), v=torch.zeros(3, BLOCK, 2, 20))
+    batch = Batch.build([1], [5], [0], [[0, 7]], BLOCK)  # block 7 of a 3-block pool
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the pool"):
+        m(torch.randn(1, 36, generator=g), batch, cache)
