@@ -145,7 +145,7 @@ inline void read_cols(const float* S, const float* q, const float* k, int64_t K,
 }
 
 void gdn_head(float* S, const float* q, const float* k, const float* v, float decay, float beta, int64_t K,
-              int64_t V, float* o, float* tmp) {
+              int64_t V, float* o, float* tmp, const float* next) {
   float* sk = tmp;      // [V]: S^T k, then u
   float* sq = tmp + V;  // [V]: S^T q
   // one read of S for both products (with the decayed state S' = decay S:
@@ -169,10 +169,12 @@ void gdn_head(float* S, const float* q, const float* k, const float* v, float de
     o[c] = decay * sq[c] + kq * u;
     sk[c] = u;
   }
-  // the state is still in cache: S <- decay S + k u^T
+  // the state is still in cache: S <- decay S + k u^T; meanwhile the next head's state comes in
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * V;
     const float ki = k[i];
+    if (next != nullptr)
+      for (int64_t c = 0; c < V; c += 16) _mm_prefetch(reinterpret_cast<const char*>(next + i * V + c), _MM_HINT_T0);
 #pragma omp simd
     for (int64_t c = 0; c < V; ++c) row[c] = decay * row[c] + ki * sk[c];
   }

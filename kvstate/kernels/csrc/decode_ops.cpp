@@ -125,9 +125,11 @@ void heads(const HeadArgs& a, int64_t n) {
       const int64_t i = j / a.HV, h = j % a.HV, kh = h / per_key;
       const float* q = a.qk + i * a.qk_stride + kh * a.K;
       float* o = a.o + j * a.V;
+      const int64_t jn = j + 1 < j1 ? j + 1 : -1;  // the state this thread updates next
+      const float* next = jn < 0 ? nullptr : a.state + (a.slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V;
       kvstate::dec::gdn_head(a.state + (a.slots[i] * a.HV + h) * a.K * a.V, q, q + a.H * a.K,
                              a.v + i * a.v_stride + h * a.V, std::exp(a.decay[j]), a.beta[j], a.K, a.V, o,
-                             tmp.data());
+                             tmp.data(), next);
       if (a.norm_w != nullptr)
         kvstate::dec::gated_rms_norm_row(o, a.z + i * a.z_stride + h * a.V, a.norm_w, a.norm_eps, a.V, o);
     }

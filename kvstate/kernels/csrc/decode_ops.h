@@ -28,9 +28,9 @@ void conv_row(const float* x, float* state, const float* w, const float* bias, i
 void l2norm_scale(float* x, int64_t n, float scale);
 // One token of the gated delta rule on one head's state S [K, V] (updated in place), q already
 // l2-normed and scaled, k l2-normed: S' = decay S; u = beta (v - S'^T k); S <- S' + k u^T; o = S^T q.
-// tmp: 2 * V floats of scratch.
+// tmp: 2 * V floats of scratch; next: the state [K, V] to prefetch meanwhile, or nullptr.
 void gdn_head(float* S, const float* q, const float* k, const float* v, float decay, float beta, int64_t K,
-              int64_t V, float* o, float* tmp);
+              int64_t V, float* o, float* tmp, const float* next);
 
 }  // namespace kvstate::dec
 
