@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvstate.kernels import _ext
-from kvstate.kernels.dispatch import _choice
+from kvstate.kernels.dispatch import _DEFAULT, _forced
 from kvstate.kernels.threads import _wide
 
 MAX_ROWS = 64
@@ -25,20 +25,28 @@ WIDE_STATE_BYTES = 4 << 20
 
 
 def _ext_for(rows: int, *tensors: torch.Tensor | None):
-    """The extension if its kernels serve these tensors (float32, CPU, no autograd, few rows), else None."""
-    if rows > MAX_ROWS or _choice() == "torch":
+    """The extension if its kernels serve these tensors (float32, CPU, no autograd, few rows), else None.
+    (Runs a few times per layer and step: the cheapest tests first, no environment or ISA lookup.)"""
+    if rows > MAX_ROWS or (_forced.get() or _DEFAULT) == "torch":
         return None
-    grad = torch.is_grad_enabled()
+    if torch.is_grad_enabled():
+        if any(t is not None and t.requires_grad for t in tensors):
+            return None
     for t in tensors:
-        if t is not None and (t.dtype != torch.float32 or not t.is_cpu or (grad and t.requires_grad)):
+        if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
             return None
     return _ext.load()
 
 
+def _num_rows(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] as [rows, D] with a contiguous last dimension (a view when possible)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    """x [..., D] as [rows, D] with a contiguous last dimension (x itself, or a view, when possible)."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _wide_call(state_bytes: int, fn, *args):
@@ -55,20 +63,18 @@ def _wide_call(state_bytes: int, fn, *args):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor | None:
     """x [..., D] * rsqrt(mean(x^2) + eps) * (weight + offset), or None."""
-    d = x.shape[-1]
-    ext = _ext_for(x.numel() // max(d, 1), x, weight)
-    if ext is None or d == 0 or not weight.is_contiguous():
+    ext = _ext_for(_num_rows(x), x, weight)
+    if ext is None or x.shape[-1] == 0 or not weight.is_contiguous():
         return None
-    return ext.rms_norm(_rows(x), weight, eps, offset).view(x.shape)
+    return ext.rms_norm(x, weight, eps, offset)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """rmsnorm(x [..., D]) * weight * silu(gate) (norm before gate, one group), or None."""
-    d = x.shape[-1]
-    ext = _ext_for(x.numel() // max(d, 1), x, gate, weight)
-    if ext is None or d == 0 or not weight.is_contiguous() or gate.shape != x.shape:
+    ext = _ext_for(_num_rows(x), x, gate, weight)
+    if ext is None or x.shape[-1] == 0 or not weight.is_contiguous() or gate.shape != x.shape:
         return None
-    return ext.gated_rms_norm(_rows(x), _rows(gate), weight, eps).view(x.shape)
+    return ext.gated_rms_norm(x, gate, weight, eps)
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -44,23 +44,34 @@ void check_pool(const Tensor& pool, const char* name, const Tensor& slots, int64
 
 int64_t grain(int64_t item_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, item_bytes)); }
 
-Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset) {
-  const int64_t M = x.size(0), D = w.numel();
+// x [..., D] as [rows, D] rows with a contiguous last dimension (a view when it can be)
+Tensor as_rows(const Tensor& x, int64_t D) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == D, "kvstate decode: x must be [..., ", D, "], got ", x.sizes());
+  Tensor r = x.dim() == 2 ? x : x.reshape({-1, D});
+  return r.stride(1) == 1 || D <= 1 ? r : r.contiguous();
+}
+
+Tensor rms_norm(const Tensor& x_, const Tensor& w, double eps, double offset) {
+  const int64_t D = w.numel();
+  const Tensor x = as_rows(x_, D);
+  const int64_t M = x.size(0);
   check_rows(x, "x", M, D);
   check_vec(w, "weight", D);
-  auto y = at::empty({M, D}, x.options());
+  auto y = at::empty(x_.sizes(), x.options());  // contiguous: rows of D
   for (int64_t i = 0; i < M; ++i)
     kvstate::dec::rms_norm_row(x.data_ptr<float>() + i * x.stride(0), w.data_ptr<float>(), offset, eps, D,
                                y.data_ptr<float>() + i * D);
   return y;
 }
 
-Tensor gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& w, double eps) {
-  const int64_t M = x.size(0), D = w.numel();
+Tensor gated_rms_norm(const Tensor& x_, const Tensor& z_, const Tensor& w, double eps) {
+  const int64_t D = w.numel();
+  const Tensor x = as_rows(x_, D), z = as_rows(z_, D);
+  const int64_t M = x.size(0);
   check_rows(x, "x", M, D);
   check_rows(z, "gate", M, D);
   check_vec(w, "weight", D);
-  auto y = at::empty({M, D}, x.options());
+  auto y = at::empty(x_.sizes(), x.options());
   for (int64_t i = 0; i < M; ++i)
     kvstate::dec::gated_rms_norm_row(x.data_ptr<float>() + i * x.stride(0), z.data_ptr<float>() + i * z.stride(0),
                                      w.data_ptr<float>(), eps, D, y.data_ptr<float>() + i * D);
@@ -220,9 +231,9 @@ namespace kvstate {
 void register_decode_ops(pybind11::module_& m) {
   namespace py = pybind11;
   register_decode_attention(m);
-  m.def("rms_norm", &rms_norm, "y[M, D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
+  m.def("rms_norm", &rms_norm, "y[..., D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("offset") = 0.0);
-  m.def("gated_rms_norm", &gated_rms_norm, "y[M, D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),
+  m.def("gated_rms_norm", &gated_rms_norm, "y[..., D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),
         py::arg("weight"), py::arg("eps"));
   m.def("gdn_gates", &gdn_gates, "(g, beta)[M, HV]: -exp(A_log) softplus(a + dt_bias), sigmoid(b)", py::arg("a"),
         py::arg("b"), py::arg("A_log"), py::arg("dt_bias"));
