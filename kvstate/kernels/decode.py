@@ -69,6 +69,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return ext.rms_norm(x, weight, eps, offset)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
+    """(x + delta, rms_norm(x + delta)) for x, delta [T, D] (a residual add and the next norm), or None."""
+    ext = _ext_for(x.shape[0], x, delta, weight)
+    if ext is None or x.dim() != 2 or delta.shape != x.shape or not weight.is_contiguous():
+        return None
+    return ext.add_rms_norm(_rows(x), _rows(delta), weight, eps, offset)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for [T, N] (the gated MLP between its projections), or None."""
+    ext = _ext_for(gate.shape[0], gate, up)
+    if ext is None or gate.dim() != 2 or up.shape != gate.shape:
+        return None
+    return ext.silu_mul(_rows(gate), _rows(up))
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """rmsnorm(x [..., D]) * weight * silu(gate) (norm before gate, one group), or None."""
     ext = _ext_for(_num_rows(x), x, gate, weight)

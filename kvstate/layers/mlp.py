@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.errors import KvstateError
+from kvstate.kernels import decode as kdecode
 from kvstate.kernels.fused import project
 
 ACTIVATIONS = {
@@ -38,7 +39,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)  # one kernel call when fused
-        return self.down_proj(self.act(gate) * up)
+        h = kdecode.silu_mul(gate, up) if self.act is F.silu else None  # decode-sized: one kernel call
+        return self.down_proj(self.act(gate) * up if h is None else h)
 
 
 class MLP(nn.Module):

@@ -36,6 +36,14 @@ class RMSNorm(nn.Module):
         w = self.weight.float() + self.offset if self.offset else self.weight.float()
         return (rms_normalize(x, self.eps) * w).to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)): a residual add and this norm, as one kernel call when served."""
+        out = kdecode.add_rms_norm(x, delta, self.weight, self.eps, self.offset)
+        if out is not None:
+            return out
+        x = x + delta
+        return x, self(x)
+
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
 

@@ -25,7 +25,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         if self.mixer is not None:
-            x = x + self.mixer(self.input_norm(x), batch, cache)
+            h = self.mixer(self.input_norm(x), batch, cache)
+            add_norm = getattr(self.ffn_norm, "add_forward", None)  # RMSNorm: the add and the norm in one call
+            if add_norm is not None:
+                x, normed = add_norm(x, h)
+                return x + self.ffn(normed)
+            x = x + h
         if self.ffn is not None:
             x = x + self.ffn(self.ffn_norm(x))
         return x

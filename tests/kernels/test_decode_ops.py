@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvstate import kernels
 from kvstate.kernels import decode as kdecode
+from kvstate.layers.mlp import GatedMLP
 from kvstate.layers.norm import GatedRMSNorm, RMSNorm
 from kvstate.ops import causal_conv1d_update, recurrent_gated_delta_rule
 from tests.kernels.conftest import extension
@@ -41,6 +42,35 @@ def test_rms_norm(dim, offset):
             assert y.shape == x.shape and rel(y, ref) < 1e-6
 
 
+@pytest.mark.parametrize("dim", [7, 1024])
+def test_add_rms_norm(dim):
+    """The residual add and the next norm in one call (`RMSNorm.add_forward`): both results as torch's."""
+    extension()
+    g = torch.Generator().manual_seed(dim)
+    norm = RMSNorm(dim, 1e-6, offset=1.0).requires_grad_(False)
+    norm.weight.normal_(generator=g)
+    for n in BATCHES:
+        x, delta = torch.randn(n, dim, generator=g), column_view(n, dim, g)
+        with kernels.backend("torch"):
+            ref_sum, ref = norm.add_forward(x, delta)
+        assert kdecode.add_rms_norm(x, delta, norm.weight, norm.eps, 1.0) is not None
+        s, y = norm.add_forward(x, delta)
+        assert torch.equal(s, ref_sum) and rel(y, ref) < 1e-6
+
+
+def test_silu_mul():
+    extension()
+    g = torch.Generator().manual_seed(0)
+    mlp = GatedMLP(12, 43).requires_grad_(False)
+    for n in BATCHES:
+        gate, up = column_view(n, 43, g) * 4, column_view(n, 43, g)
+        assert rel(kdecode.silu_mul(gate, up), F.silu(gate) * up) < 1e-6
+        x = torch.randn(n, 12, generator=g)
+        with kernels.backend("torch"):
+            ref = mlp(x)
+        assert rel(mlp(x), ref) < 1e-6
+
+
 @pytest.mark.parametrize("dim", [13, 128])
 def test_gated_rms_norm(dim):
     extension()
@@ -71,10 +101,12 @@ def test_gdn_gates():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("window", ["kernel", "kernel-1"])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_conv_update(window, bias, activation):
+@pytest.mark.parametrize("w_len", [4, 3])
+def test_conv_update(window, bias, activation, w_len):
+    """W = 4 with S = 4 runs 8 channels at a time (37 = 4 x 8 + 5 exercises the rest), the others per channel."""
     extension()
     g = torch.Generator().manual_seed(1)
-    d, w_len, slots_total = 37, 4, 23
+    d, slots_total = 37, 23
     s_len = w_len if window == "kernel" else w_len - 1
     weight = torch.randn(d, w_len, generator=g)
     b = torch.randn(d, generator=g) if bias else None

@@ -73,6 +73,15 @@ void rms_norm_row(const float* x, const float* w, float offset, float eps, int64
   for (int64_t i = 0; i < D; ++i) y[i] = (x[i] * r) * (w[i] + offset);
 }
 
+void add_rms_norm_row(const float* x, const float* delta, const float* w, float offset, float eps, int64_t D,
+                      float* sum, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) sum[i] = x[i] + delta[i];
+  rms_norm_row(sum, w, offset, eps, D, y);
+}
+
+void silu_mul_row(const float* gate, const float* up, int64_t N, float* y) { silu_rows(gate, up, N, y); }
+
 void gated_rms_norm_row(const float* x, const float* z, const float* w, float eps, int64_t D, float* y) {
   const float r = 1.f / std::sqrt(sum_sq(x, D) / static_cast<float>(D) + eps);
   for (int64_t i = 0; i < D; ++i) y[i] = (x[i] * r) * w[i];
@@ -89,10 +98,50 @@ void gdn_gates_row(const float* a, const float* b, const float* A_log, const flo
   }
 }
 
+// W = S = 4, 8 channels at a time: their windows and taps [8, 4] are transposed to 4 column
+// vectors (channel order 0 2 4 6 1 3 5 7, undone for y), combined, and the shifted windows
+// transposed back. Returns the channels done (a multiple of 8); the caller does the rest.
+int64_t conv_w4s4(const float* x, float* state, const float* w, const float* bias, int64_t D, float* y) {
+  const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), unperm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  auto columns = [](const float* p, __m256 c[4]) {
+    const __m256 A = _mm256_loadu_ps(p), B = _mm256_loadu_ps(p + 8), C = _mm256_loadu_ps(p + 16),
+                 Dd = _mm256_loadu_ps(p + 24);
+    const __m256 t0 = _mm256_unpacklo_ps(A, B), t1 = _mm256_unpackhi_ps(A, B);
+    const __m256 t2 = _mm256_unpacklo_ps(C, Dd), t3 = _mm256_unpackhi_ps(C, Dd);
+    c[0] = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    c[1] = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    c[2] = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    c[3] = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  };
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    float* st = state + d * 4;
+    __m256 s[4], wc[4];
+    columns(st, s);
+    columns(w + d * 4, wc);
+    const __m256 xp = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + d), perm);
+    __m256 acc = _mm256_mul_ps(xp, wc[3]);
+    if (bias != nullptr) acc = _mm256_add_ps(acc, _mm256_permutevar8x32_ps(_mm256_loadu_ps(bias + d), perm));
+    acc = _mm256_fmadd_ps(s[1], wc[0], acc);
+    acc = _mm256_fmadd_ps(s[2], wc[1], acc);
+    acc = _mm256_fmadd_ps(s[3], wc[2], acc);
+    _mm256_storeu_ps(y + d, _mm256_permutevar8x32_ps(acc, unperm));
+    // the windows shifted: columns s1 s2 s3 x, transposed back to [8, 4]
+    const __m256 u0 = _mm256_unpacklo_ps(s[1], s[2]), u1 = _mm256_unpacklo_ps(s[3], xp);
+    const __m256 u2 = _mm256_unpackhi_ps(s[1], s[2]), u3 = _mm256_unpackhi_ps(s[3], xp);
+    _mm256_storeu_ps(st, _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_storeu_ps(st + 8, _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(st + 16, _mm256_shuffle_ps(u2, u3, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_storeu_ps(st + 24, _mm256_shuffle_ps(u2, u3, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return d;
+}
+
 void conv_row(const float* x, float* state, const float* w, const float* bias, int64_t D, int64_t W, int64_t S,
               bool act, float* y) {
   if (W == 4 && S == 4) {
-    conv_fixed<4, 4>(x, state, w, bias, D, y);
+    const int64_t d = conv_w4s4(x, state, w, bias, D, y);
+    conv_fixed<4, 4>(x + d, state + d * 4, w + d * 4, bias == nullptr ? nullptr : bias + d, D - d, y + d);
   } else if (W == 4 && S == 3) {
     conv_fixed<4, 3>(x, state, w, bias, D, y);
   } else {

@@ -64,6 +64,32 @@ Tensor rms_norm(const Tensor& x_, const Tensor& w, double eps, double offset) {
   return y;
 }
 
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,
+                                        double offset) {
+  const int64_t M = x.size(0), D = w.numel();
+  check_rows(x, "x", M, D);
+  check_rows(delta, "delta", M, D);
+  check_vec(w, "weight", D);
+  auto sum = at::empty({M, D}, x.options()), y = at::empty({M, D}, x.options());
+  for (int64_t i = 0; i < M; ++i)
+    kvstate::dec::add_rms_norm_row(x.data_ptr<float>() + i * x.stride(0), delta.data_ptr<float>() + i * delta.stride(0),
+                                   w.data_ptr<float>(), offset, eps, D, sum.data_ptr<float>() + i * D,
+                                   y.data_ptr<float>() + i * D);
+  return {sum, y};
+}
+
+Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2, "kvstate decode: gate must be [M, N]");
+  const int64_t M = gate.size(0), N = gate.size(1);
+  check_rows(gate, "gate", M, N);
+  check_rows(up, "up", M, N);
+  auto y = at::empty({M, N}, gate.options());
+  for (int64_t i = 0; i < M; ++i)
+    kvstate::dec::silu_mul_row(gate.data_ptr<float>() + i * gate.stride(0), up.data_ptr<float>() + i * up.stride(0),
+                               N, y.data_ptr<float>() + i * N);
+  return y;
+}
+
 Tensor gated_rms_norm(const Tensor& x_, const Tensor& z_, const Tensor& w, double eps) {
   const int64_t D = w.numel();
   const Tensor x = as_rows(x_, D), z = as_rows(z_, D);
@@ -233,6 +259,9 @@ void register_decode_ops(pybind11::module_& m) {
   register_decode_attention(m);
   m.def("rms_norm", &rms_norm, "y[..., D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("offset") = 0.0);
+  m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta)) for [M, D] rows", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
+  m.def("silu_mul", &silu_mul, "y[M, N] = silu(gate) * up", py::arg("gate"), py::arg("up"));
   m.def("gated_rms_norm", &gated_rms_norm, "y[..., D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),
         py::arg("weight"), py::arg("eps"));
   m.def("gdn_gates", &gdn_gates, "(g, beta)[M, HV]: -exp(A_log) softplus(a + dt_bias), sigmoid(b)", py::arg("a"),

@@ -15,6 +15,11 @@ namespace kvstate::dec {
 
 // y[D] = x * rsqrt(mean(x^2) + eps) * (w + offset)  (offset 1: Qwen's zero-centred weights)
 void rms_norm_row(const float* x, const float* w, float offset, float eps, int64_t D, float* y);
+// sum[D] = x + delta (the residual add), y = rms_norm_row(sum)
+void add_rms_norm_row(const float* x, const float* delta, const float* w, float offset, float eps, int64_t D,
+                      float* sum, float* y);
+// y[N] = silu(gate) * up (the gated MLP's activation)
+void silu_mul_row(const float* gate, const float* up, int64_t N, float* y);
 // y[D] = x * rsqrt(mean(x^2) + eps) * w * silu(z)  (Qwen's GDN output norm; y may alias x)
 void gated_rms_norm_row(const float* x, const float* z, const float* w, float eps, int64_t D, float* y);
 // per head: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
