@@ -1,11 +1,14 @@
 """`kvstate bench spec`: speculative decoding's acceptance rate and batch-1 decode tokens/s, with and without.
 
-One target model (a random ~0.5B Qwen3.5-style checkpoint; `--quick`: a small one), one engine;
-only the proposer changes between runs, so every row runs the same weights, pools and prompts:
+One target model (a random ~0.5B Qwen3.5-style checkpoint; `--quick`: a small one; `--model`: any
+checkpoint or shipped model's name), one engine; only the proposer changes between runs, so every
+row runs the same weights, pools and prompts:
 - oracle: replays the target's own greedy continuation (acceptance 100%, no drafting cost), so
   the row shows what verifying k+1 tokens in one forward costs and gains;
 - ngram: prompt lookup on a copy-heavy prompt (a passage repeated); on a random model greedy
-  decoding copies only where it happens to, so the acceptance is measured, not assumed;
+  decoding copies only where it happens to, so the acceptance is measured, not assumed. With
+  `--model` of a checkpoint that has a chat template the copy-heavy prompt is a chat asking it to
+  repeat a passage of random words ("Repeat this:\n..."), the task the shipped models learnt;
 - draft: a smaller random Qwen3.5-style checkpoint of the same vocabulary (unrelated to the
   target, so it rarely agrees: the row shows the cost of drafting more than its gain).
 Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
@@ -32,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 64; quick 16)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts (default 2)")
     parser.add_argument("--methods", default="oracle,ngram,draft", help="which drafters (default: all three)")
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="target checkpoint or shipped model name (default: a random Qwen3.5-style one)")
 
 
 class OracleDrafter:
@@ -45,6 +50,23 @@ class OracleDrafter:
 
     def release(self, seq) -> None:
         pass
+
+
+def copy_prompt(llm, plen: int, new: int, g) -> list[int]:
+    """Token ids of a prompt whose continuation repeats text it holds: with a chat template, a chat
+    asking the model to repeat a passage of about `new` words; otherwise a random passage of
+    plen / 2 tokens three times (the model continues a passage it has seen twice)."""
+    import numpy as np
+    import torch
+
+    tok = llm.tokenizer
+    if tok is not None and tok.chat_template:
+        from kvstate.recall.chat_data import passage
+
+        text = passage(np.random.default_rng(0), new)
+        chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this:\n{text}"}])
+        return tok.encode(chat, add_special_tokens=False)
+    return torch.randint(0, llm.plan.vocab_size, (plen // 2,), generator=g).tolist() * 3
 
 
 def draft_checkpoint(vocab: int, directory: str):
@@ -88,17 +110,19 @@ def run(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else "0.5b"
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-spec-") as tmp:
         with console.status("building checkpoints"):
-            path, hf = qwen3_5_checkpoint(size, f"{tmp}/target")
-            del hf
+            if args.model is None:
+                path, hf = qwen3_5_checkpoint(size, f"{tmp}/target")
+                del hf
+            else:
+                path = args.model
             llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=4 * plen, max_model_len=4 * plen + new + 32,
                       cache_memory=None)
             vocab = llm.plan.vocab_size
             draft = load_model(draft_checkpoint(vocab, f"{tmp}/draft")) if "draft" in methods else None
     core = llm.engine
     g = torch.Generator().manual_seed(0)
-    passage = torch.randint(0, vocab, (plen // 2,), generator=g).tolist()
     prompts = {"random": torch.randint(0, vocab, (plen,), generator=g).tolist(),
-               "copy-heavy": passage * 3}  # the model continues a passage it has seen twice
+               "copy-heavy": copy_prompt(llm, plen, new, g)}
 
     def decode(prompt, make):
         """(tokens/s, output, proposer) of batch-1 greedy decoding with the proposer `make()` (None: plain)."""
@@ -140,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                              tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,
                              plain_tokens_per_s=base_tps, speedup=tps / base_tps, exact=tokens == base_tokens))
     core.spec = None
-    result = dict(model=f"random Qwen3.5-style {size} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})",
+    name = f"random Qwen3.5-style {size}" if args.model is None else str(args.model)
+    result = dict(model=f"{name} ({llm.plan.params.total / 1e9:.3g}B, {llm.plan.layer_string})",
                   prompt_tokens=plen, new_tokens=new, threads=torch.get_num_threads(),
                   plain_tokens_per_s={k: v[0] for k, v in plain.items()}, rows=rows)
     if args.json:

@@ -3,13 +3,22 @@
 The two shipped models (`kvstate recall train-default`) learn two skills in Qwen's chat format:
 
 - **phonebook**: the user sends a phone book (`Name Surname: 1234` lines) and a question
-  "What is Name Surname's number?"; the assistant answers the digits. Later turns ask about
-  other entries of the same book (more answers per token of context, so training is cheaper);
+  "What is Name Surname's number?"; the assistant answers with the book's line,
+  "Name Surname: 1234". Repeating the name first turns the lookup into the copy skill (find
+  where the text just written occurred before and continue it), the same skill as the copy
+  chats, and the one tiny attention learns first; answering the bare digits asks for the name
+  to be carried across the chat markers to the reply, which the same models did not learn in
+  600 steps. Later turns ask about other entries of the same book (more answers per token of
+  context, so training is cheaper);
 - **copy**: "Repeat this:" and a passage of random words; the assistant repeats it.
 
 The tokenizer is word-level (a word with or without its leading space is one token, a phone
-book's full name too, digits two a token), so a 64-entry book is ~330 tokens rather than ~1,200
-characters, and a 4-digit answer is two tokens. It is a real
+book's full name too, digits two a token), so a 64-entry book is ~390 tokens rather than ~1,200
+characters, and a 4-digit answer is two tokens. Full names and digits never take a leading space
+(a space before them is a token of its own): the name asked is then the very token of the book's
+line, and the digits answered are the very tokens stored there. With `' Nadia Khan'` in the
+question and `'Nadia Khan'` in the book, a model would have to learn, name by name, that two
+random embeddings mean the same key; the lookup is never found in a training run of minutes. It is a real
 `tokenizers` tokenizer.json that transformers and kvstate both load; a Fuse decoder joins the
 tokens back into text (the spaces live in the tokens). No torch here.
 
@@ -42,20 +51,21 @@ WORDS = tuple(sorted({w.strip(".").lower() for s in FILLER for w in s.split()} |
     "small big fast slow open close left right blue yellow black white".split())))
 PUNCT = (":", "?", ".", ",", "!", "'s", "-", "'")
 FULL_NAMES = tuple(f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES)
-# A full name of the phone book (one token: the lookup key is one token, as in MQAR), a word, two
-# digits (or a last single one; each optionally after one space), a line break, one other character
-# (optionally after one space), or a lone space: every character lands in exactly one piece.
-PIECES = (r"'s| ?(?:" + "|".join(FIRST_NAMES) + ") (?:" + "|".join(LAST_NAMES) + r")\b"
-          r"| ?[A-Za-z]+| ?[0-9]{1,2}|\n| ?[^\sA-Za-z0-9]|\s")
+# A full name of the phone book (one token: the lookup key is one token, as in MQAR), a word
+# (optionally after one space), two digits (or a last single one), a line break, one other
+# character (optionally after one space), or a lone space: every character lands in exactly one
+# piece. Names and digits never start with a space, so a key and an answer are the same token
+# wherever they appear.
+_NAME = r"(?:" + "|".join(FIRST_NAMES) + ") (?:" + "|".join(LAST_NAMES) + r")\b"
+PIECES = (r"'s| (?=" + _NAME + ")|" + _NAME + r"| ?[A-Za-z]+|[0-9]{1,2}|\n| ?[^\sA-Za-z0-9]|\s")
 
 
 def vocabulary() -> list[str]:
-    words = set(FIRST_NAMES) | set(LAST_NAMES) | set(FULL_NAMES) | {"What", "Repeat", "this", "user", "assistant",
-                                                                     "system"}
+    words = set(FIRST_NAMES) | set(LAST_NAMES) | {"What", "Repeat", "this", "user", "assistant", "system"}
     words |= set(WORDS) | {w.capitalize() for w in WORDS}
-    tokens = sorted(words) + sorted(" " + w for w in words)
-    digits = [str(d) for d in range(10)] + [f"{d:02d}" for d in range(100)]  # numbers go two digits a token
-    tokens += digits + [" " + d for d in digits]
+    tokens = sorted(words) + sorted(" " + w for w in words) + sorted(FULL_NAMES)  # names: no leading space
+    digits = [str(d) for d in range(10)] + [f"{d:02d}" for d in range(100)]  # two digits a token, no space
+    tokens += digits
     tokens += list(PUNCT) + [" " + p for p in PUNCT if p != "'s"] + ["\n", " "]
     return [*SPECIAL, UNK, *dict.fromkeys(tokens)]
 
@@ -86,6 +96,7 @@ def tokenizer_config() -> dict:
 class Chat:
     messages: list[dict[str, str]]  # user / assistant turns; the assistant's are trained
     answers: list[str]  # the assistant replies, in order
+    kind: str = "phonebook"  # or "copy"
 
 
 def phonebook_question(name: str) -> str:
@@ -101,8 +112,9 @@ def phonebook_chat(rng: np.random.Generator, entries: int, *, turns: int = 1, di
     for t, i in enumerate(asked):
         name, number = book[i]
         text = phonebook_prompt(book, name).rstrip() if t == 0 else phonebook_question(name)
-        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": number}]
-        answers.append(number)
+        reply = f"{name}: {number}"
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        answers.append(reply)
     return Chat(messages, answers)
 
 
@@ -119,7 +131,8 @@ def passage(rng: np.random.Generator, num_words: int) -> str:
 
 def copy_chat(rng: np.random.Generator, num_words: int) -> Chat:
     text = passage(rng, num_words)
-    return Chat([{"role": "user", "content": f"Repeat this:\n{text}"}, {"role": "assistant", "content": text}], [text])
+    return Chat([{"role": "user", "content": f"Repeat this:\n{text}"}, {"role": "assistant", "content": text}], [text],
+                "copy")
 
 
 def encode_chat(tok, chat: Chat) -> tuple[list[int], list[bool]]:

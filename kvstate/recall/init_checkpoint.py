@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 def qwen3_5_config(*, vocab_size: int, hidden_size: int, layers: str, intermediate_size: int, heads: int,
                    kv_heads: int, head_dim: int, linear_heads: int, linear_head_dim: int, eos_token_id: int,
-                   pad_token_id: int, max_position_embeddings: int = 4096) -> dict:
+                   pad_token_id: int, max_position_embeddings: int = 4096, tie_word_embeddings: bool = False) -> dict:
     """config.json of a Qwen3.5 text model; `layers` reads like the planner's layer string ("GGGA":
     G a Gated DeltaNet layer, A full attention)."""
     if set(layers) - {"G", "A"}:
@@ -39,7 +39,7 @@ def qwen3_5_config(*, vocab_size: int, hidden_size: int, layers: str, intermedia
         "linear_key_head_dim": linear_head_dim, "linear_value_head_dim": linear_head_dim,
         "linear_conv_kernel_dim": 4, "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
         "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": None, "dtype": "float32",
         "transformers_version": "5.0.0",
     }
@@ -67,11 +67,14 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
                            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
     return shapes
 
 
-def init_tensor(name: str, shape: tuple[int, ...], num_layers: int, g: torch.Generator) -> torch.Tensor:
+def init_tensor(name: str, shape: tuple[int, ...], num_layers: int, g: torch.Generator, *,
+                tied: bool = False) -> torch.Tensor:
     if name.endswith("A_log"):
         return torch.log(1 + 15 * torch.rand(shape, generator=g))
     if name.endswith("dt_bias"):  # softplus(dt_bias) = dt, log-uniform in [1e-3, 1e-1] (Mamba's init)
@@ -83,8 +86,8 @@ def init_tensor(name: str, shape: tuple[int, ...], num_layers: int, g: torch.Gen
         return torch.zeros(shape)  # Qwen's zero-centred RMSNorm multiplies by (1 + w)
     if name.endswith("conv1d.weight"):
         return (torch.rand(shape, generator=g) * 2 - 1) / math.sqrt(shape[-1])  # torch's Conv1d default bound
-    if name == "model.embed_tokens.weight":
-        return torch.randn(shape, generator=g)
+    if name == "model.embed_tokens.weight":  # also the LM head when tied: logits of unit scale
+        return torch.randn(shape, generator=g) * (shape[1] ** -0.5 if tied else 1.0)
     std = shape[1] ** -0.5
     if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
         std /= math.sqrt(2 * num_layers)
@@ -94,7 +97,8 @@ def init_tensor(name: str, shape: tuple[int, ...], num_layers: int, g: torch.Gen
 def write_initial_checkpoint(cfg: dict, path: str | Path, *, seed: int) -> Path:
     """config.json and freshly initialised model.safetensors in `path` (deterministic in `seed`)."""
     g = torch.Generator().manual_seed(seed)
-    tensors = {name: init_tensor(name, shape, cfg["num_hidden_layers"], g).contiguous()
+    tied = bool(cfg.get("tie_word_embeddings"))
+    tensors = {name: init_tensor(name, shape, cfg["num_hidden_layers"], g, tied=tied).contiguous()
                for name, shape in tensor_shapes(cfg).items()}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

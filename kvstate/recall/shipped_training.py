@@ -27,7 +27,7 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 350
+    steps: int = 1800
     batch: int = 16
     lr: float = 5e-3
     weight_decay: float = 0.1
@@ -37,22 +37,41 @@ class TrainSettings:
     turns: int = 10  # questions per phone book
     copy_share: float = 0.2  # share of copy chats
     copy_words: tuple[int, int] = (4, 32)
-    curriculum: float = 0.4  # share of the run over which the largest book grows to max_entries
+    start_entries: int = 2  # the largest book at the start
+    grow_at: float = 0.5  # the largest book grows 1.5x each time the running exact accuracy passes this
 
 
-def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, progress: float = 1.0) -> list[Chat]:
-    """`n` chats; books of min_entries up to a largest size that grows with `progress` (0..1) until
-    `curriculum` of the run, then stays at max_entries (small books first: the lookup is found there)."""
-    grown = min(1.0, progress / s.curriculum) if s.curriculum > 0 else 1.0
-    top = round(s.min_entries + grown * (s.max_entries - s.min_entries))
+def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, top: int) -> list[Chat]:
+    """`n` chats: a `copy_share` of copy chats, the rest phone books of min_entries to `top` entries."""
     chats = []
     for _ in range(n):
         if rng.random() < s.copy_share:
             chats.append(copy_chat(rng, int(rng.integers(s.copy_words[0], s.copy_words[1] + 1))))
         else:
-            entries = int(rng.integers(s.min_entries, top + 1))
-            chats.append(phonebook_chat(rng, entries, turns=s.turns))
+            chats.append(phonebook_chat(rng, int(rng.integers(s.min_entries, top + 1)), turns=s.turns))
     return chats
+
+
+class Curriculum:
+    """The largest book of the batches: small until the lookup is found, then growing.
+
+    A tiny model finds the lookup on books of one or two entries, where the answer's line is
+    easy to find; on larger books it stays on the plateau of answering the name right and the
+    digits at chance (measured: with books growing on a fixed schedule to 24 entries over the
+    first 320 steps, no exact answer after 600 steps). So the book grows when the model answers:
+    by 1.5x (at least one entry) each time the running exact accuracy (an average over about the
+    last 20 steps) passes `grow_at`, up to max_entries."""
+
+    def __init__(self, s: TrainSettings):
+        self.s, self.top, self.running = s, max(s.min_entries, min(s.start_entries, s.max_entries)), 0.0
+
+    def update(self, acc: float) -> None:
+        if acc != acc:  # no phone book in the batch
+            return
+        self.running = 0.95 * self.running + 0.05 * acc
+        if self.running > self.s.grow_at and self.top < self.s.max_entries:
+            self.top = min(self.s.max_entries, max(self.top + 1, round(self.top * 1.5)))
+            self.running = 0.0
 
 
 def packed_forward(model, sequences: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
@@ -104,6 +123,7 @@ class Trainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
         self.done = 0
+        self.curriculum = Curriculum(settings)
         model.train()
 
     def lr_at(self, step: int) -> float:
@@ -115,7 +135,7 @@ class Trainer:
 
     def step(self) -> tuple[float, float]:
         """One optimiser step on a fresh batch -> (loss, share of phonebook first answers exactly right)."""
-        chats = sample_chats(self.rng, self.s, self.s.batch, self.done / self.s.steps)
+        chats = sample_chats(self.rng, self.s, self.s.batch, self.curriculum.top)
         encoded = [encode_chat(self.tok, c) for c in chats]
         targets, owner = targets_of(encoded)
         rows = (targets != -100).nonzero().flatten()
@@ -130,8 +150,9 @@ class Trainer:
         self.done += 1
         with torch.no_grad():
             exact = first_answer_exact(logits.detach(), targets, owner, len(chats))
-            book = torch.tensor([len(c.answers[0]) <= 8 for c in chats])  # phonebook answers are digits
+            book = torch.tensor([c.kind == "phonebook" for c in chats])
             acc = float(exact[book].float().mean()) if book.any() else float("nan")
+        self.curriculum.update(acc)
         return float(loss.detach()), acc
 
 

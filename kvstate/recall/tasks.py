@@ -18,6 +18,7 @@ tokenizer turns into tokens for training or the engine answers for evaluation.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,12 @@ def needle(num_sentences: int, *, depth: float | None = None, digits: int = 4, s
     sentences = [FILLER[i] for i in rng.integers(0, len(FILLER), size=num_sentences)]
     sentences.insert(where, f"The magic number is {number}.")
     return TextExample(" ".join(sentences) + "\nWhat is the magic number? ", number, num_sentences)
+
+
+def first_number(text: str) -> str | None:
+    """The first maximal run of digits in `text` (None when it has none)."""
+    m = re.search(r"[0-9]+", text)
+    return m.group() if m else None
 
 
 def exact_match(expected: str, generated: str) -> bool:

@@ -19,7 +19,7 @@ from typing import Callable
 from kvstate.recall.shipped_training import TrainSettings
 
 # the shipped models: name -> layer string; everything else is shared
-LAYERS = {"kvstate-phonebook-hybrid": "GGGA", "kvstate-phonebook-linear": "GGGG"}
+LAYERS = {"kvstate-phonebook-hybrid": "GAGA", "kvstate-phonebook-linear": "GGGG"}
 EVAL_ENTRIES = (4, 8, 16, 32, 64)
 
 
@@ -32,6 +32,7 @@ class ModelSize:
     head_dim: int = 32
     linear_heads: int = 2
     linear_head_dim: int = 32
+    tie_word_embeddings: bool = True
 
 
 @dataclass(frozen=True)

@@ -13,3 +13,21 @@ def test_bench_spec_quick(capsys):
     assert set(rows) == {"oracle", "ngram", "draft"}
     assert rows["oracle"]["acceptance"] == 1.0 and rows["oracle"]["tokens_per_step"] == 3.0
     assert all(r["exact"] for r in out["rows"])  # every drafter left greedy decoding unchanged
+
+
+def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
+    """--model takes a shipped model's name; its copy-heavy prompt is a chat asking to repeat a passage."""
+    from kvstate.bench.spec import copy_prompt
+    from kvstate.engine.llm import LLM
+
+    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+                 "--new-tokens", "6", "--repeats", "1", "--json", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"].startswith("kvstate-phonebook-hybrid") and [r["method"] for r in out["rows"]] == ["ngram"]
+    assert out["rows"][0]["exact"]
+    llm = LLM("kvstate-phonebook-hybrid")
+    try:
+        text = llm.tokenizer.decode(copy_prompt(llm, 32, 6, None), skip_special_tokens=False)
+    finally:
+        llm.close()
+    assert text.startswith("<|im_start|>user\nRepeat this:\n") and text.endswith("<|im_start|>assistant\n")

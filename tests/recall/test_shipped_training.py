@@ -31,11 +31,12 @@ def tok():
     return build_tokenizer()
 
 
-def tiny_model(tmp_path, tok, layers="GA", seed=0):
+def tiny_model(tmp_path, tok, layers="GA", seed=0, tied=True):
     from dataclasses import asdict
 
+    size = asdict(TINY) | {"tie_word_embeddings": tied}
     cfg = qwen3_5_config(vocab_size=tok.get_vocab_size(), layers=layers, eos_token_id=tok.token_to_id(EOS),
-                         pad_token_id=0, **asdict(TINY))
+                         pad_token_id=0, **size)
     return load_model(write_initial_checkpoint(cfg, tmp_path / f"init-{layers}-{seed}", seed=seed))
 
 
@@ -56,13 +57,30 @@ def test_chat_encoding_is_the_rendered_template_and_trains_only_replies(tmp_path
     assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == tokenizer_config()
 
 
-def test_initial_checkpoint_is_transformers_qwen3_5(tmp_path, tok):
+def test_a_name_and_its_number_are_the_same_tokens_in_book_question_and_reply(tok):
+    """The lookup key and the answer must be one token wherever they appear: with ' Nadia Khan' in
+    the question and 'Nadia Khan' in the book (or ' 86' stored, '86' answered) a model has to learn
+    that two random embeddings mean the same thing, name by name, and never finds the lookup."""
+    chat = phonebook_chat(np.random.default_rng(0), 6, turns=3)
+    pieces = [tok.id_to_token(i) for i in encode_chat(tok, chat)[0]]
+    for reply in chat.answers:
+        name, number = reply.split(": ")
+        assert pieces.count(name) >= 3  # the book's line, the question, the reply
+        for pair in (number[:2], number[2:]):
+            assert pieces.count(pair) >= 2 and " " + pair not in pieces
+    assert not any(p.startswith(" ") and p.strip() in (n for n, _ in [a.split(": ") for a in chat.answers])
+                   for p in pieces)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_initial_checkpoint_is_transformers_qwen3_5(tmp_path, tok, tied):
     from transformers import AutoModelForCausalLM
 
-    model, plan = tiny_model(tmp_path, tok, "GGGA")
-    assert plan.model_type == "qwen3_5_text" and plan.layer_string == "GGGA"
+    model, plan = tiny_model(tmp_path, tok, "GGGA", tied=tied)
+    assert plan.model_type == "qwen3_5_text" and plan.layer_string == "GGGA" and plan.tie_word_embeddings == tied
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "init-GGGA-0").eval()  # strict names and shapes
-    ids = [tok.token_to_id(t) for t in ("Alice", " Smith", ":", " 1", "2", "\n")] * 3
+    ids = [tok.token_to_id(t) for t in ("Alice Smith", ":", " ", "12", "34", "\n", "What", " is")] * 3
+    assert None not in ids
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     ours = forward_logits(model, [ids])[0]
@@ -91,6 +109,27 @@ def test_training_loss_drops(tmp_path, tok):
                       tok, seed=0)
     losses = [trainer.step()[0] for _ in range(40)]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
+
+
+def test_curriculum_grows_the_book_only_once_the_model_answers():
+    from kvstate.recall.shipped_training import Curriculum
+
+    c = Curriculum(TrainSettings(start_entries=2, max_entries=7, grow_at=0.6))
+    for _ in range(200):
+        c.update(0.5)  # below the bar: never grows
+        c.update(float("nan"))  # a batch without a phone book changes nothing
+    assert c.top == 2
+    sizes = []
+    for _ in range(400):
+        c.update(1.0)
+        sizes.append(c.top)
+    assert sorted(set(sizes)) == [2, 3, 4, 6, 7] and sizes == sorted(sizes)  # 1.5x (at least +1), capped
+    fresh = Curriculum(TrainSettings(start_entries=2, max_entries=7, grow_at=0.6))
+    steps = 0
+    while fresh.top == 2:
+        fresh.update(1.0)
+        steps += 1
+    assert 10 <= steps <= 30  # a running average over about 20 steps, not one lucky batch
 
 
 def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path):

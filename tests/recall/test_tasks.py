@@ -75,3 +75,12 @@ def test_exact_match_is_digit_exact():
     assert not exact_match("0421", "04210")
     assert not exact_match("0421", "0422")
     assert not exact_match("0421", " 0421")
+
+
+def test_first_number_reads_the_reply_digit_exact():
+    from kvstate.recall.tasks import first_number
+
+    assert first_number("Nadia Khan: 0421<|im_end|>") == "0421"
+    assert first_number("It is 0421.") == "0421" and first_number("0421") == "0421"
+    assert first_number("04210") == "04210" != "0421" and first_number("042 1") == "042"
+    assert first_number("no digits") is None
