@@ -7,7 +7,8 @@
   Gated DeltaNet kernel (`kernels.decode.gdn_decode`) also that layer's conv, gates and output norm;
 - `conv`: the short-conv window update; `attention`: KV writes and paged attention (with the fused
   kernel, `kernels.decode.attention_decode`, also q/k norms, rotary and the output gate);
-- `norm`: RMSNorm / gated RMSNorm; `rotary`; `sampling`: the runner's sampler;
+- `norm`: RMSNorm (and its kernel with the residual add fused in) / gated RMSNorm; `rotary`;
+  `sampling`: the runner's sampler;
 - `model other`: the rest of the model forward (gates, residual adds, views, embedding, Python);
 - `runner other`: building the packed Batch and the input tensors, slot copies;
 - `engine other`: scheduling and postprocessing (torch-free Python).
@@ -28,7 +29,9 @@ _HOOKS: dict[str, list[tuple[str, str]]] = {
     "conv": [("kvstate.layers.recurrence", "causal_conv1d_update"), ("kvstate.kernels.decode", "conv_update")],
     "attention": [("kvstate.layers.attention", "paged_attention"), ("kvstate.layers.attention", "write_kv"),
                   ("kvstate.kernels.decode", "attention_decode")],
-    "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.layers.norm.GatedRMSNorm", "forward")],
+    # the residual add fused into a norm: its kernel call (without it, add_forward runs forward)
+    "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.kernels.decode", "add_rms_norm"),
+             ("kvstate.layers.norm.GatedRMSNorm", "forward")],
     "rotary": [("kvstate.layers.rope.Rotary", "forward")],
     "sampling": [("kvstate.engine.runner", "sample")],
     "model": [("kvstate.models.decoder.HybridDecoder", "forward")],

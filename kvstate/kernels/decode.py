@@ -17,11 +17,14 @@ import torch
 from kvstate.kernels import _ext
 from kvstate.kernels.dispatch import _DEFAULT, _forced
 from kvstate.kernels.threads import _wide
+from kvstate.ops import _threads
 
 MAX_ROWS = 64
-# Recurrent-state bytes of a call from which it gets all threads inside `small_ops_serial` (the
-# state update streams them like a GEMV streams weights); below, waking a thread costs more.
-WIDE_STATE_BYTES = 4 << 20
+# Recurrent-state bytes of a call from which it gets all threads inside `small_ops_serial`: the
+# torch form's threshold (`ops._threads.MIN_WORK` multiply-adds, 64 MiB of fp32 state). Lower
+# (4 MiB, batch 4 of the 0.5b model) was measured on a busy machine to make batch-8 steps slower:
+# the main thread spins at the barrier while the second waits for a time slice.
+WIDE_STATE_BYTES = 4 * _threads.MIN_WORK
 
 
 def _ext_for(rows: int, *tensors: torch.Tensor | None):
