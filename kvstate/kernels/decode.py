@@ -132,14 +132,12 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
                num_k_heads: int) -> torch.Tensor | None:
     """Gated DeltaNet between in_proj and out_proj for one token per sequence (the decode `group`):
     conv window + SiLU, q/k l2norm (q scaled by K^-0.5), gates, state update, gated RMSNorm
-    -> o [n, HV * V]; both pools updated in place at the group's slots. None when not served."""
+    -> o [n, HV * V]; both pools updated in place at the group's slots, whose fresh entries the
+    caller has zeroed (`recurrence.clear_fresh`). None when not served."""
     n = qkv.shape[0]
     ext = _ext_for(n, qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
     if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
         return None
-    if group.fresh_slots is not None:  # entries with an empty cache start from zeros
-        conv_pool.index_fill_(0, group.fresh_slots, 0)
-        state_pool.index_fill_(0, group.fresh_slots, 0)
     _, hv, dk, dv = state_pool.shape
     return _wide_call(n * hv * dk * dv * 4, ext.gdn_decode, qkv, z, a, b, conv_pool, conv_weight, state_pool,
                       group.slots, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)

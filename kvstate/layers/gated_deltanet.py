@@ -19,9 +19,8 @@ from torch import nn
 from kvstate.kernels import decode as kdecode
 from kvstate.kernels.fused import project
 from kvstate.layers.norm import GatedRMSNorm
-from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
+from kvstate.layers.recurrence import RecurrentOps, clear_fresh, recur, short_conv
 from kvstate.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-
 
 
 def _recurrent(q, k, v, g, beta, *, initial_state=None, state_indices=None, inplace_final_state=False,
@@ -70,6 +69,8 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)  # one call if fused
         if batch.decode_only and self.act == "silu":
+            clear_fresh(cache.conv, batch.groups[0])  # entries with an empty cache start from zeros
+            clear_fresh(cache.state, batch.groups[0])
             o = kdecode.gdn_decode(qkv, z, a, b, conv_pool=cache.conv, conv_weight=self.conv_weight,
                                    state_pool=cache.state, group=batch.groups[0], A_log=self.A_log,
                                    dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,

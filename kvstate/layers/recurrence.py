@@ -35,10 +35,15 @@ class RecurrentOps:
     recurrent: Callable  # decode: one token per sequence, the pool's rows updated (state_indices, inplace_final_state)
 
 
-def _rows(pool: torch.Tensor, group) -> torch.Tensor:
-    """The group's slots of `pool` [num_slots, *shape] -> [n, *shape]; an empty cache reads zeros."""
+def clear_fresh(pool: torch.Tensor, group) -> None:
+    """Zero the slots of the group's entries whose cache is empty (they start from zeros)."""
     if group.fresh_slots is not None:
         pool.index_fill_(0, group.fresh_slots, 0)
+
+
+def _rows(pool: torch.Tensor, group) -> torch.Tensor:
+    """The group's slots of `pool` [num_slots, *shape] -> [n, *shape]; an empty cache reads zeros."""
+    clear_fresh(pool, group)
     return pool.index_select(0, group.slots)
 
 
@@ -85,8 +90,7 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
 def _conv_decode(x: torch.Tensor, pool: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tensor | None,
                  activation: str | None) -> torch.Tensor:
     """One token per entry: the compiled step shifts the pool's windows in place, or torch on a copy."""
-    if group.fresh_slots is not None:
-        pool.index_fill_(0, group.fresh_slots, 0)
+    clear_fresh(pool, group)
     y = kdecode.conv_update(x, pool, group.slots, weight, bias, activation)
     if y is None:
         state = pool.index_select(0, group.slots)  # [n, D, S]
@@ -153,8 +157,7 @@ def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs:
 def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
     """One token per sequence, [n, 1, ...], through the recurrent op, which updates the pool's rows itself."""
     xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}
-    if group.fresh_slots is not None:
-        pool.index_fill_(0, group.fresh_slots, 0)
+    clear_fresh(pool, group)
     o, _ = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots, inplace_final_state=True)
     return o
 
@@ -163,8 +166,7 @@ def _verify(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: 
     """Each entry's tokens (packed [1, T_g, ...], cu_seqlens) through the recurrent op: the pool's rows
     get the state after the last token, `batch.rollback` the state after every token."""
     xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
-    if group.fresh_slots is not None:
-        pool.index_fill_(0, group.fresh_slots, 0)
+    clear_fresh(pool, group)
     o, _, states = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots,
                                  inplace_final_state=True, cu_seqlens=group.cu_seqlens, output_all_states=True)
     batch.rollback.append((pool, group, states[0]))  # [T_g, *state]

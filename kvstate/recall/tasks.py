@@ -148,12 +148,3 @@ def first_number(text: str) -> str | None:
     """The first maximal run of digits in `text` (None when it has none)."""
     m = re.search(r"[0-9]+", text)
     return m.group() if m else None
-
-
-def exact_match(expected: str, generated: str) -> bool:
-    """Exact recall: the generated text starts with the expected answer and the answer is not the
-    prefix of a longer number (`1234` does not match `12345`)."""
-    if not generated.startswith(expected):
-        return False
-    rest = generated[len(expected):]
-    return not (rest[:1].isdigit())

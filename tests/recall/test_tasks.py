@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from kvstate.recall.tasks import IGNORE, exact_match, mqar, mqar_accuracy, needle, phonebook
+from kvstate.recall.tasks import IGNORE, first_number, mqar, mqar_accuracy, needle, phonebook
 
 
 def test_mqar_queries_ask_earlier_keys_and_targets_are_their_values():
@@ -70,16 +70,10 @@ def test_needle_hides_one_fact_at_the_given_depth():
         needle(10, depth=1.5)
 
 
-def test_exact_match_is_digit_exact():
-    assert exact_match("0421", "0421\nWhat")
-    assert not exact_match("0421", "04210")
-    assert not exact_match("0421", "0422")
-    assert not exact_match("0421", " 0421")
-
-
 def test_first_number_reads_the_reply_digit_exact():
-    from kvstate.recall.tasks import first_number
-
+    assert first_number("0421\nWhat") == "0421"
+    assert first_number("04210") != "0421" and first_number("0422") != "0421"
+    assert first_number(" 0421") == "0421"  # a reply may start with a space or words before the number
     assert first_number("Nadia Khan: 0421<|im_end|>") == "0421"
     assert first_number("It is 0421.") == "0421" and first_number("0421") == "0421"
     assert first_number("04210") == "04210" != "0421" and first_number("042 1") == "042"
