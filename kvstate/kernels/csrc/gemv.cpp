@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -10,6 +11,9 @@
 #include "gemv.h"
 
 namespace {
+
+// The register tile of the last call's AVX path ("3x4"), for tests that prove a tile runs.
+std::atomic<const char*> last_tile{"none"};
 
 bool has_avx512() {
   __builtin_cpu_init();
@@ -36,7 +40,8 @@ std::vector<std::string> isas() {
   return out;
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa,
+                     bool narrow) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate gemv: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate gemv: x must be float32 [M, K]");
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -83,19 +88,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     kvstate::avx512::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
   else
     kvstate::avx2::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
-  const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N};
-  // Work items are blocks of 4 W rows (from n_amx on); a thread gets at least ~64 KiB of weights
-  // so that tiny matrices do not pay for waking threads.
-  const int64_t rows_per_item = 4;
+  // narrow: every row through the few-rows tile (A/B and tests); it stays exact, only slower
+  const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N,
+                               narrow};
+  // Work items are 12 W rows (from n_amx on; whole blocks of 3 or 4 rows); a thread gets at least
+  // ~64 KiB of weights so that tiny matrices do not pay for waking threads.
+  const int64_t rows_per_item = 12;
   const int64_t items = (N - n_amx + rows_per_item - 1) / rows_per_item;
   const int64_t item_bytes = std::max<int64_t>(1, rows_per_item * K * w.element_size());
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / item_bytes);
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     const int64_t n0 = n_amx + i0 * rows_per_item, n1 = std::min(N, n_amx + i1 * rows_per_item);
-    if (wide)
-      kvstate::avx512::rows(args, n0, n1);
-    else
-      kvstate::avx2::rows(args, n0, n1);
+    last_tile.store(wide ? kvstate::avx512::rows(args, n0, n1) : kvstate::avx2::rows(args, n0, n1),
+                    std::memory_order_relaxed);
   });
   return y;
 }
@@ -105,7 +110,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvstate skinny GEMM: y = x @ W^T (+ bias), W fp32 or bf16, fp32 math";
   m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (+ bias)", pybind11::arg("x"), pybind11::arg("weight"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto");
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto", pybind11::arg("narrow") = false);
+  m.def("last_tile", [] { return std::string(last_tile.load()); },
+        "the register tile (W rows x x rows) the last AVX call ran, e.g. '3x4'");
   m.def("isas", &isas, "ISAs this CPU can run, best first");
   kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
 }

@@ -15,19 +15,20 @@ struct GemvArgs {
   const float* bias;  // [N] or nullptr
   float* y;           // [M, N]
   int64_t N;
+  bool narrow;        // the few-rows tile for every M (A/B, tests)
 };
 
 // Per ISA: prepare_x lays x out for the kernel (Kp = K rounded up to 2 * kLanes); rows computes
-// the output columns [n0, n1) for every row of x.
+// the output columns [n0, n1) for every row of x and returns its register tile ("3x4": W rows x x rows).
 namespace avx512 {
 constexpr int kLanes = 16;
 void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp);
-void rows(const GemvArgs& a, int64_t n0, int64_t n1);
+const char* rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx512
 namespace avx2 {
 constexpr int kLanes = 8;
 void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp);
-void rows(const GemvArgs& a, int64_t n0, int64_t n1);
+const char* rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 
 // AMX (bf16 weights only): 32 W rows per block; x as three bf16 parts (see gemv_amx.cpp).

@@ -18,7 +18,13 @@ struct Isa {
   using V = __m512;
   using Raw = __m512i;
   static constexpr int L = kLanes;
-  static constexpr int kMaxMT = 4;  // 4 x 4 accumulators + 8 x vectors + 3 temporaries of 32 registers
+  // 4 W rows x 4 x rows for any M: 16 accumulators + 8 x vectors + 3 temporaries of 32 registers
+  template <bool BF16, bool WIDE>
+  struct Plan {
+    static constexpr int R = 4, MT = 4;
+    static constexpr bool kWregs = false;
+    static constexpr const char* name = "4x4";
+  };
   static V zero() { return _mm512_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

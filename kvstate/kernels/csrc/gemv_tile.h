@@ -1,54 +1,87 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
-// (V, L, kMaxMT, zero, fma, load, reduce, wf32, wf32_tail, Raw, wbf16, wbf16_tail, even, odd,
-// prefetch, deinterleave). Deliberately no includes: the including file provides <algorithm> and <cstdint>.
+// (V, L, zero, fma, load, reduce, wf32, wf32_tail, Raw, wbf16, wbf16_tail, even, odd, prefetch,
+// deinterleave) and the register tiles it runs (`Isa::Plan<bf16, wide>`: R, MT, kWregs).
+// Deliberately no includes: the including file provides <algorithm> and <cstdint>.
 //
 // Shape of the work: the W rows of one call are streamed once from memory. A register tile is R
-// output columns (W rows) x MT rows of x; all M rows of x are served from the same W block,
-// re-read from L1/L2 rather than memory, by walking K in tiles small enough to stay in L1.
+// output columns (W rows) x MT rows of x; all M rows of x are served from the same W block of R
+// rows, re-read from L1/L2 rather than memory (one pass per MT rows), by walking K in tiles small
+// enough to stay in L1. Every pass prefetches its share of the next K tile (the next block's first
+// tile after the last), so memory keeps streaming while the later passes compute.
 
 using V = Isa::V;
-constexpr int kMaxR = 4;                  // W rows per register tile
+constexpr int kMaxR = 4;                  // W rows per register tile, at most (accumulator stride)
 constexpr int kGroupM = 16;               // x rows per pass over a W block (accumulators on the stack)
 constexpr int64_t kTileBytes = 32 << 10;  // a K tile of the W block and of the x group stays in L1
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of the stream the first pass prefetches
 
-// One step of K for an R x MT tile: fp32 W, L elements.
-template <int R, int MT, bool TAIL>
+// One step of K for an R x MT tile: fp32 W, L elements. WREGS: the R W vectors stay in registers
+// and each x vector is loaded once for R FMAs; else the MT x vectors stay and W is loaded per row.
+template <int R, int MT, bool TAIL, bool WREGS>
 inline __attribute__((always_inline)) void step_f32(const float* w, int64_t K, const float* x, int64_t Kp,
                                                     int64_t k, int rem, V (&acc)[MT][R]) {
-  V xv[MT];
-  for (int m = 0; m < MT; ++m) xv[m] = Isa::load(x + m * Kp + k);
-  for (int r = 0; r < R; ++r) {
-    V wv = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
-    for (int m = 0; m < MT; ++m) acc[m][r] = Isa::fma(wv, xv[m], acc[m][r]);
+  if constexpr (WREGS) {
+    V wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
+    for (int m = 0; m < MT; ++m) {
+      const V xv = Isa::load(x + m * Kp + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = Isa::fma(wv[r], xv, acc[m][r]);
+    }
+  } else {
+    V xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = Isa::load(x + m * Kp + k);
+    for (int r = 0; r < R; ++r) {
+      V wv = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[m][r] = Isa::fma(wv, xv[m], acc[m][r]);
+    }
   }
 }
 
 // One step of K for an R x MT tile: bf16 W, 2L elements. bf16 -> fp32 is exact: the even
 // element of each 32-bit word is its low half shifted up, the odd one is the word with the low
 // half cleared. x was laid out [even lanes | odd lanes] per block to match.
-template <int R, int MT, bool TAIL>
+template <int R, int MT, bool TAIL, bool WREGS>
 inline __attribute__((always_inline)) void step_bf16(const uint16_t* w, int64_t K, const float* x, int64_t Kp,
                                                      int64_t k, int rem, V (&acc)[MT][R]) {
-  V xe[MT], xo[MT];
-  for (int m = 0; m < MT; ++m) {
-    xe[m] = Isa::load(x + m * Kp + k);
-    xo[m] = Isa::load(x + m * Kp + k + Isa::L);
-  }
-  for (int r = 0; r < R; ++r) {
-    Isa::Raw raw = TAIL ? Isa::wbf16_tail(w + r * K + k, rem) : Isa::wbf16(w + r * K + k);
-    V we = Isa::even(raw), wo = Isa::odd(raw);
+  if constexpr (WREGS) {
+    V we[R], wo[R];
+    for (int r = 0; r < R; ++r) {
+      const Isa::Raw raw = TAIL ? Isa::wbf16_tail(w + r * K + k, rem) : Isa::wbf16(w + r * K + k);
+      we[r] = Isa::even(raw), wo[r] = Isa::odd(raw);
+    }
     for (int m = 0; m < MT; ++m) {
-      acc[m][r] = Isa::fma(we, xe[m], acc[m][r]);
-      acc[m][r] = Isa::fma(wo, xo[m], acc[m][r]);
+      const V xe = Isa::load(x + m * Kp + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = Isa::fma(we[r], xe, acc[m][r]);
+      const V xo = Isa::load(x + m * Kp + k + Isa::L);
+      for (int r = 0; r < R; ++r) acc[m][r] = Isa::fma(wo[r], xo, acc[m][r]);
+    }
+  } else {
+    V xe[MT], xo[MT];
+    for (int m = 0; m < MT; ++m) {
+      xe[m] = Isa::load(x + m * Kp + k);
+      xo[m] = Isa::load(x + m * Kp + k + Isa::L);
+    }
+    for (int r = 0; r < R; ++r) {
+      Isa::Raw raw = TAIL ? Isa::wbf16_tail(w + r * K + k, rem) : Isa::wbf16(w + r * K + k);
+      V we = Isa::even(raw), wo = Isa::odd(raw);
+      for (int m = 0; m < MT; ++m) {
+        acc[m][r] = Isa::fma(we, xe[m], acc[m][r]);
+        acc[m][r] = Isa::fma(wo, xo[m], acc[m][r]);
+      }
     }
   }
 }
 
+// Where a pass prefetches: the lines of the next K tile (`kt` on; past the row's end, the next
+// block of `rb` rows), on the steps whose index is `phase` modulo `period` (one line per row each).
+struct Prefetch {
+  int64_t kt, rb;
+  int phase, period;
+};
+
 // acc (rows of kMaxR vectors, MT of them) += W[R rows, k0:k1] . x[MT rows, k0:k1].
-template <bool BF16, int R, int MT>
-void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, bool prefetch) {
+template <bool BF16, int R, int MT, bool WREGS>
+void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, Prefetch pf) {
   constexpr int S = BF16 ? 2 * Isa::L : Isa::L;  // K elements per step
   constexpr int64_t elt = BF16 ? 2 : 4;
   V acc[MT][R];
@@ -57,48 +90,44 @@ void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int
   const int64_t kend = std::min(k1, K);
   const int64_t kfull = k0 + (kend - k0) / S * S;
   const char* wb = static_cast<const char*>(wp);
+  // step i prefetches when i % period == phase: count down instead of dividing
+  int until = pf.phase;
   for (int64_t k = k0; k < kfull; k += S) {
-    if (prefetch)  // one cache line per row per step: fp32 steps are 64 B, bf16 steps too (AVX-512)
-      for (int r = 0; r < R; ++r) Isa::prefetch(wb + (r * K + k) * elt + kPrefetchBytes);
+    if (until-- == 0) {
+      until = pf.period - 1;
+      // the same rows' next tile, or (from the row's last tile on) the next block's first one
+      const int64_t ahead = k + pf.kt < K ? pf.kt : pf.rb * K + pf.kt - K;
+      for (int r = 0; r < R; ++r) Isa::prefetch(wb + (r * K + k + ahead) * elt);
+    }
     if constexpr (BF16)
-      step_bf16<R, MT, false>(static_cast<const uint16_t*>(wp), K, x, Kp, k, 0, acc);
+      step_bf16<R, MT, false, WREGS>(static_cast<const uint16_t*>(wp), K, x, Kp, k, 0, acc);
     else
-      step_f32<R, MT, false>(static_cast<const float*>(wp), K, x, Kp, k, 0, acc);
+      step_f32<R, MT, false, WREGS>(static_cast<const float*>(wp), K, x, Kp, k, 0, acc);
   }
   if (kfull < kend) {
     if constexpr (BF16)
-      step_bf16<R, MT, true>(static_cast<const uint16_t*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
+      step_bf16<R, MT, true, WREGS>(static_cast<const uint16_t*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
     else
-      step_f32<R, MT, true>(static_cast<const float*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
+      step_f32<R, MT, true, WREGS>(static_cast<const float*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) accp[m * kMaxR + r] = acc[m][r];
 }
 
-using TileFn = void (*)(const void*, int64_t, const float*, int64_t, int64_t, int64_t, V*, bool);
+using TileFn = void (*)(const void*, int64_t, const float*, int64_t, int64_t, int64_t, V*, Prefetch);
 
-// table[r - 1][mt - 1] for the R x MT tile of a (possibly short) block.
-template <bool BF16, int... MTs>
-struct TileRow {
-  template <int R>
-  static constexpr void fill(TileFn* row) {
-    int i = 0;
-    ((row[i++] = &tile<BF16, R, MTs>), ...);
-  }
-};
-
-template <bool BF16>
+// fn[r - 1][mt - 1]: the r x mt tile, for r <= RB and mt <= MTB (short blocks and passes).
+template <bool BF16, int RB, int MTB, bool WREGS>
 struct TileTable {
-  TileFn fn[kMaxR][Isa::kMaxMT];
-  TileTable() {
-    fill(std::make_integer_sequence<int, Isa::kMaxMT>{});
-  }
+  TileFn fn[RB][MTB];
+  TileTable() { fill_rows(std::make_integer_sequence<int, RB>{}); }
   template <int... I>
-  void fill(std::integer_sequence<int, I...>) {
-    TileRow<BF16, (I + 1)...>::template fill<1>(fn[0]);
-    TileRow<BF16, (I + 1)...>::template fill<2>(fn[1]);
-    TileRow<BF16, (I + 1)...>::template fill<3>(fn[2]);
-    TileRow<BF16, (I + 1)...>::template fill<4>(fn[3]);
+  void fill_rows(std::integer_sequence<int, I...>) {
+    (fill_cols<I + 1>(std::make_integer_sequence<int, MTB>{}), ...);
+  }
+  template <int R, int... J>
+  void fill_cols(std::integer_sequence<int, J...>) {
+    ((fn[R - 1][J] = &tile<BF16, R, J + 1, WREGS>), ...);
   }
 };
 
@@ -125,29 +154,34 @@ void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, floa
   }
 }
 
-void rows(const GemvArgs& a, int64_t n0, int64_t n1) {
-  static const TileTable<false> f32_tiles;
-  static const TileTable<true> bf16_tiles;
-  const auto& table = a.bf16 ? bf16_tiles.fn : f32_tiles.fn;
-  const int64_t elt = a.bf16 ? 2 : 4;
-  const int64_t step = a.bf16 ? 2 * Isa::L : Isa::L;
-  // K elements per tile: W [kMaxR, kt] + x [min(M, kGroupM), kt] fit in kTileBytes.
-  const int64_t per_k = kMaxR * elt + std::min<int64_t>(a.M, kGroupM) * int64_t(sizeof(float));
-  const int64_t kt = std::max<int64_t>(step, kTileBytes / per_k / step * step);
+// Output columns [n0, n1) for every row of x, in blocks of RB W rows and passes of MTB x rows.
+template <bool BF16, int RB, int MTB, bool WREGS>
+void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
+  static const TileTable<BF16, RB, MTB, WREGS> tiles;
+  constexpr int64_t elt = BF16 ? 2 : 4;
+  constexpr int64_t step = BF16 ? 2 * Isa::L : Isa::L;
+  constexpr int steps_per_line = std::max<int>(1, 64 / int(step * elt));
+  // K tiles of equal length (the next tile's prefetch then lines up): W [RB, kt] + x [group, kt]
+  // fit in kTileBytes.
+  const int64_t per_k = RB * elt + std::min<int64_t>(a.M, kGroupM) * int64_t(sizeof(float));
+  const int64_t kt_max = std::max<int64_t>(step, kTileBytes / per_k / step * step);
+  const int64_t n_tiles = std::max<int64_t>(1, (a.K + kt_max - 1) / kt_max);
+  const int64_t kt = ((a.K + n_tiles - 1) / n_tiles + step - 1) / step * step;
   const char* w = static_cast<const char*>(a.w);
   V acc[kGroupM * kMaxR];
-  for (int64_t nb = n0; nb < n1; nb += kMaxR) {
-    const int r = int(std::min<int64_t>(kMaxR, n1 - nb));
+  for (int64_t nb = n0; nb < n1; nb += RB) {
+    const int r = int(std::min<int64_t>(RB, n1 - nb));
     const char* wblock = w + nb * a.K * elt;
     for (int64_t mg = 0; mg < a.M; mg += kGroupM) {
       const int gm = int(std::min<int64_t>(kGroupM, a.M - mg));
+      const int passes = (gm + MTB - 1) / MTB;
       for (int i = 0; i < gm * kMaxR; ++i) acc[i] = Isa::zero();
       for (int64_t k0 = 0; k0 < a.K; k0 += kt) {
-        for (int mc = 0; mc < gm; mc += Isa::kMaxMT) {
-          const int mt = std::min(Isa::kMaxMT, gm - mc);
-          // Only the first pass over this W block reads memory; prefetch for it alone.
-          table[r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR,
-                               mg == 0 && mc == 0);
+        for (int mc = 0, p = 0; mc < gm; mc += MTB, ++p) {
+          const int mt = std::min(MTB, gm - mc);
+          // The first group's passes share the next tile's lines; a later group finds them cached.
+          const Prefetch pf{kt, RB, mg == 0 ? p * steps_per_line : -1, passes * steps_per_line};
+          tiles.fn[r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR, pf);
         }
       }
       for (int m = 0; m < gm; ++m) {
@@ -156,4 +190,19 @@ void rows(const GemvArgs& a, int64_t n0, int64_t n1) {
       }
     }
   }
+}
+
+// The ISA's plan for this call: few rows (M <= 2) or many. Returns the tile, e.g. "3x4".
+const char* rows(const GemvArgs& a, int64_t n0, int64_t n1) {
+  using S32 = Isa::Plan<false, false>;
+  using W32 = Isa::Plan<false, true>;
+  using S16 = Isa::Plan<true, false>;
+  using W16 = Isa::Plan<true, true>;
+  const bool wide = a.M > 2 && !a.narrow;
+  if (a.bf16) {
+    if (wide) return rows_with<true, W16::R, W16::MT, W16::kWregs>(a, n0, n1), W16::name;
+    return rows_with<true, S16::R, S16::MT, S16::kWregs>(a, n0, n1), S16::name;
+  }
+  if (wide) return rows_with<false, W32::R, W32::MT, W32::kWregs>(a, n0, n1), W32::name;
+  return rows_with<false, S32::R, S32::MT, S32::kWregs>(a, n0, n1), S32::name;
 }
