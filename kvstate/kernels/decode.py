@@ -143,10 +143,26 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
                       group.slots, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
 
 
+def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, conv_pool: torch.Tensor,
+               conv_weight: torch.Tensor, state_pool: torch.Tensor, group, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, num_k_heads: int):
+    """`gdn_decode` for entries of several tokens (speculative decoding's verify step; `group` covers
+    the whole step, its cu_seqlens the entries' tokens): -> (o [T, HV * V], states [T, HV, K, V],
+    windows [T, D, S]), the state and conv window after every token; the pools end at each entry's
+    last token. The caller has zeroed fresh entries' slots. None when not served."""
+    ext = _ext_for(qkv.shape[0], qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
+    if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
+        return None
+    dk = state_pool.shape[2]
+    return ext.gdn_verify(qkv, z, a, b, conv_pool, conv_weight, state_pool, group.slots, group.cu_seqlens, A_log,
+                          dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
+
+
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, q_norm,
                      k_norm, rotary, batch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      scale: float) -> torch.Tensor | None:
-    """Full attention for one query per sequence (a decode-only `batch`): q [n, H, D], k [n, Hkv, D],
+    """Full attention for one query per token row (a decode-only `batch`, or decode and verify entries
+    with `batch.token_tables`): q [n, H, D], k [n, Hkv, D],
     v [n, Hkv, Dv], gate [n, H, Dv] or None; q_norm / k_norm the per-head RMSNorms or None; rotary
     the layer's `Rotary` or None. Writes k (normed, rotated) and v at the batch's KV rows and
     returns o [n, H * Dv] (gated), or None when not served."""
@@ -161,5 +177,6 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     if rotary is not None and 2 * inv_freq.numel() != rotary.rotary_dim:
         return None
     eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
+    tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks]
     return ext.attention_decode(q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions, k_cache, v_cache,
-                                batch.block_tables, batch.kv_indices, scale)
+                                tables, batch.kv_indices, scale)

@@ -4,7 +4,8 @@ Options cover the families: an output gate (Qwen3.5 / Qwen3-Next: q_proj is twic
 each head's second half gates the output through a sigmoid), per-head q/k RMSNorm, partial
 rotary or no positions at all (Jamba and Nemotron-H attention have no RoPE), and biases.
 A decode-only step runs everything between the projections as one compiled kernel
-(`kernels.decode.attention_decode`) when it serves the call.
+(`kernels.decode.attention_decode`) when it serves the call; so does a speculative verify step,
+each drafted token one query at its own position (its KV row is written before any is read).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if batch.decode_only:
+        if batch.decode_only or batch.verify_group is not None:  # one query per token row
             o = kdecode.attention_decode(q, k, v, gate, q_norm=self.q_norm,
                                          k_norm=self.k_norm, rotary=self.rotary, batch=batch, k_cache=cache.k,
                                          v_cache=cache.v, scale=self.scale)  # [T, H * D], or None if not served

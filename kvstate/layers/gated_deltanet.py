@@ -5,7 +5,9 @@ g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias); gated delta rule with L2-nor
 gated RMSNorm with z = in_proj_z(x); out_proj. The conv window [conv_dim, W] and the state
 [HV, K, V] live in the layer's state slots; `layers.recurrence` runs prefill and decode entries.
 A decode-only step runs everything between the projections as one compiled kernel per layer
-(`kernels.decode.gdn_decode`) when it serves the call; otherwise the ops below, each of which may
+(`kernels.decode.gdn_decode`) when it serves the call, a step of decode and verify entries
+(speculative decoding) its per-token form `gdn_verify`, which keeps the state after every token
+for the rollback; otherwise the ops below, each of which may
 still use its own kernel (gates, conv step, recurrent step, norm).
 Qwen3-Next's fused in_proj_qkvz / in_proj_ba are split into these four at load time.
 """
@@ -76,6 +78,19 @@ class GatedDeltaNet(nn.Module):
                                    dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
                                    num_k_heads=self.num_k_heads)  # [T, HV * V], or None if not served
             if o is not None:
+                return self.out_proj(o)
+        elif batch.verify_group is not None and self.act == "silu":
+            for group in batch.groups:
+                clear_fresh(cache.conv, group)
+                clear_fresh(cache.state, group)
+            out = kdecode.gdn_verify(qkv, z, a, b, conv_pool=cache.conv, conv_weight=self.conv_weight,
+                                     state_pool=cache.state, group=batch.verify_group, A_log=self.A_log,
+                                     dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
+                                     num_k_heads=self.num_k_heads)  # None if not served
+            if out is not None:
+                o, states, windows = out
+                batch.rollback.append((cache.state, batch.verify_group, states))
+                batch.rollback.append((cache.conv, batch.verify_group, windows))
                 return self.out_proj(o)
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

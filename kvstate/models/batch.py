@@ -58,6 +58,11 @@ class Batch:
     block_size: int
     logits_indices: torch.Tensor  # [M] int64, packed rows whose logits the model returns
     groups: tuple[StateGroup, ...]  # one per mode present, decode first
+    # a step of decode and verify entries only (speculative decoding), as one "verify" group of every
+    # entry and the block table of every token [T, max_blocks]: each token is then one query of the
+    # per-token kernels (`kernels.decode.gdn_verify`, `attention_decode`). None otherwise.
+    verify_group: StateGroup | None = None
+    token_tables: torch.Tensor | None = None
     # verify groups' per-token states, filled by the linear layers during the forward:
     # (pool, group, states [T_g, *row]) per layer; see kvstate.layers.recurrence.keep_states
     rollback: list = field(default_factory=list)
@@ -123,10 +128,15 @@ class Batch:
         groups = tuple(_group(mode, [i for i in range(n) if modes[i] == mode], query_lens, context_lens,
                               offsets, slots, to)
                        for mode in ("decode", "prefill", "verify") if mode in modes)
+        verify_group = token_tables = None
+        if "verify" in modes and "prefill" not in modes:
+            verify_group = _group("verify", list(range(n)), query_lens, context_lens, offsets, slots, to)
+            token_tables = to(tables.index_select(0, entry))
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
                    cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),
-                   kv_indices=to(kv_indices), block_size=block_size, logits_indices=to(as_t(rows)), groups=groups)
+                   kv_indices=to(kv_indices), block_size=block_size, logits_indices=to(as_t(rows)), groups=groups,
+                   verify_group=verify_group, token_tables=token_tables)
 
 
 def _group(mode: str, entries: list[int], query_lens, context_lens, offsets, slots, to) -> StateGroup:

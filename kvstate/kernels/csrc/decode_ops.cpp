@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <tuple>
 #include <vector>
 
 #include "decode_ops.h"
@@ -250,6 +252,78 @@ Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Ten
   return o;
 }
 
+// Speculative decoding's verify step for Gated DeltaNet: entries of several tokens each (the last
+// known token and the drafts, packed by cu_seqlens [n + 1]), each token the decode math above on
+// its own copy of the state, so that the state (and conv window) after every token is kept:
+// states [T, HV, K, V] and windows [T, D, S] are returned for the rollback, and the pools end at
+// each entry's last token. One token's copy is read from the previous token's (or the pool's).
+std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
+                                              Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
+                                              const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
+                                              const Tensor& dt_bias, const Tensor& norm_w, double norm_eps,
+                                              double scale, int64_t H) {
+  TORCH_CHECK(state_pool.dim() == 4 && conv_pool.dim() == 3, "kvstate verify: pools must be [P, HV, K, V], [P, D, S]");
+  const int64_t T = qkv.size(0), n = slots.numel(), HV = state_pool.size(1), K = state_pool.size(2);
+  const int64_t V = state_pool.size(3), D = 2 * H * K + HV * V, W = conv_w.size(1), S = conv_pool.size(2);
+  TORCH_CHECK(H > 0 && HV % H == 0, "kvstate verify: value heads must be a multiple of key heads");
+  check_rows(qkv, "qkv", T, D);
+  check_rows(z, "z", T, HV * V);
+  check_rows(a, "a", T, HV);
+  check_rows(b, "b", T, HV);
+  check_vec(A_log, "A_log", HV);
+  check_vec(dt_bias, "dt_bias", HV);
+  check_vec(norm_w, "norm weight", V);
+  check_pool(state_pool, "state pool", slots, n);
+  check_pool(conv_pool, "conv pool", slots, n);
+  TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(0) == D && conv_w.is_contiguous() && conv_w.scalar_type() == at::kFloat,
+              "kvstate verify: conv weight must be a contiguous float32 [", D, ", W] tensor");
+  TORCH_CHECK(conv_pool.size(1) == D && S >= W - 1, "kvstate verify: conv pool must be [P, ", D, ", >= ", W - 1, "]");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() && cu_seqlens.numel() == n + 1,
+              "kvstate verify: cu_seqlens must be contiguous int64 [", n + 1, "]");
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[n] == T, "kvstate verify: cu_seqlens must run from 0 to ", T);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(cu[i + 1] > cu[i], "kvstate verify: every entry needs a token");
+  const int64_t state_len = HV * K * V, window_len = D * S;
+  auto states = at::empty({T, HV, K, V}, qkv.options()), windows = at::empty({T, D, S}, qkv.options());
+  auto y = at::empty({T, D}, qkv.options()), gb = at::empty({2, T, HV}, qkv.options());
+  auto o = at::empty({T, HV * V}, qkv.options());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  float *yp = y.data_ptr<float>(), *gp = gb.data_ptr<float>(), *st = states.data_ptr<float>();
+  float *wn = windows.data_ptr<float>(), *sp = state_pool.data_ptr<float>(), *cp = conv_pool.data_ptr<float>();
+  std::vector<int64_t> rows(T);  // token t's state is row t of `states`
+  for (int64_t t = 0; t < T; ++t) rows[t] = t;
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+      const float* prev = t == cu[i] ? cp + sl[i] * window_len : wn + (t - 1) * window_len;
+      std::copy(prev, prev + window_len, wn + t * window_len);
+      float* yt = yp + t * D;
+      kvstate::dec::conv_row(qkv.data_ptr<float>() + t * qkv.stride(0), wn + t * window_len, conv_w.data_ptr<float>(),
+                             nullptr, D, W, S, true, yt);
+      for (int64_t r = 0; r < 2 * H; ++r) kvstate::dec::l2norm_scale(yt + r * K, K, r < H ? scale : 1.f);
+      kvstate::dec::gdn_gates_row(a.data_ptr<float>() + t * a.stride(0), b.data_ptr<float>() + t * b.stride(0),
+                                  A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), HV, gp + t * HV,
+                                  gp + (T + t) * HV);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+      const float* prev = t == cu[i] ? sp + sl[i] * state_len : st + (t - 1) * state_len;
+      at::parallel_for(0, HV, grain(K * V * 4), [&](int64_t h0, int64_t h1) {
+        std::copy(prev + h0 * K * V, prev + h1 * K * V, st + t * state_len + h0 * K * V);
+      });
+      HeadArgs args{yp + t * D, yp + t * D + 2 * H * K, gp + t * HV, gp + (T + t) * HV,
+                    z.data_ptr<float>() + t * z.stride(0), norm_w.data_ptr<float>(), D, D, z.stride(0), H, HV, K, V,
+                    static_cast<float>(norm_eps), st, rows.data() + t, o.data_ptr<float>() + t * HV * V};
+      heads(args, 1);
+    }
+    const int64_t last = cu[i + 1] - 1;
+    std::copy(st + last * state_len, st + (last + 1) * state_len, sp + sl[i] * state_len);
+    std::copy(wn + last * window_len, wn + (last + 1) * window_len, cp + sl[i] * window_len);
+  }
+  return {o, states, windows};
+}
+
 }  // namespace
 
 namespace kvstate {
@@ -276,6 +350,12 @@ void register_decode_ops(pybind11::module_& m) {
         py::arg("qkv"), py::arg("z"), py::arg("a"), py::arg("b"), py::arg("conv_pool"), py::arg("conv_weight"),
         py::arg("state_pool"), py::arg("slots"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_weight"),
         py::arg("norm_eps"), py::arg("scale"), py::arg("num_k_heads"));
+  m.def("gdn_verify", &gdn_verify,
+        "Gated DeltaNet between its projections for entries of several tokens (speculative verify): "
+        "(o [T, HV * V], the state [T, HV, K, V] and conv window [T, D, S] after every token)",
+        py::arg("qkv"), py::arg("z"), py::arg("a"), py::arg("b"), py::arg("conv_pool"), py::arg("conv_weight"),
+        py::arg("state_pool"), py::arg("slots"), py::arg("cu_seqlens"), py::arg("A_log"), py::arg("dt_bias"),
+        py::arg("norm_weight"), py::arg("norm_eps"), py::arg("scale"), py::arg("num_k_heads"));
 }
 
 }  // namespace kvstate

@@ -1,0 +1,136 @@
+"""Speculative decoding's verify step on the per-token kernels (`kernels.decode.gdn_verify` and
+`attention_decode` with a block table per token) against the layers' torch path: entries of
+several tokens (the last known token and the drafts) beside plain decode entries, scattered slots
+and blocks; the same outputs, the same pools after the step, the same state and conv window after
+every token for the rollback, and the same pools once `keep_states` has rolled entries back."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstate import kernels
+from kvstate.kernels import _ext
+from kvstate.kernels import decode as kdecode
+from kvstate.layers.recurrence import keep_states
+from kvstate.models.batch import Batch
+from tests.kernels import test_decode_attention as attn
+from tests.kernels.conftest import extension
+from tests.kernels.test_decode_gdn import Spy, layer, pools
+from tests.kernels.test_decode_ops import rel
+
+
+def verify_batch(lens: list[int], ctx: list[int], slots: list[int], tables: list[list[int]], block: int) -> Batch:
+    modes = ["verify" if q > 1 else "decode" for q in lens]
+    return Batch.build(lens, ctx, slots, tables, block, modes=modes)
+
+
+def clone(ns: SimpleNamespace) -> SimpleNamespace:
+    return SimpleNamespace(**{k: v.clone() for k, v in vars(ns).items()})
+
+
+@pytest.mark.parametrize("window", ["kernel", "kernel-1"])
+@pytest.mark.parametrize("heads", [(3, 6, 20, 13), (2, 4, 128, 100)])
+def test_gdn_verify_equals_torch(heads, window, monkeypatch):
+    ext = extension()
+    m = layer(*heads)
+    g = torch.Generator().manual_seed(4)
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
+    for lens in ([5], [3, 1, 9], [1, 2, 1, 4]):
+        n = len(lens)
+        cache = pools(m, n + 5, window, g)
+        slots = torch.randperm(n + 5, generator=g)[:n].tolist()
+        ctx = [0 if q == 1 and i == n - 1 and n > 1 else 6 + i for i, q in enumerate(lens)]  # a fresh decode entry
+        batch, ref_batch = (verify_batch(lens, ctx, slots, [[i] for i in range(n)], 64) for _ in range(2))
+        x = torch.randn(sum(lens), 40, generator=g)
+        ref_cache = clone(cache)
+        calls.clear()
+        with torch.inference_mode():
+            with kernels.backend("torch"):
+                ref = m(x, ref_batch, ref_cache)
+            y = m(x, batch, cache)
+        assert calls.count("gdn_verify") == 1, calls  # the per-token kernel ran, once for the layer
+        assert rel(y, ref) < 1e-5
+        assert rel(cache.state, ref_cache.state) < 1e-5 and torch.equal(cache.conv, ref_cache.conv)
+        # the states after every token: the kernel keeps the whole step, torch each verify group's rows
+        verify_rows = torch.cat([torch.arange(ref_batch.token_offsets[i], ref_batch.token_offsets[i + 1])
+                                 for i in range(n) if lens[i] > 1])
+        for (pool, _, states), (ref_pool, _, ref_states) in zip(
+                sorted(batch.rollback, key=lambda r: r[0].dim()), sorted(ref_batch.rollback, key=lambda r: r[0].dim())):
+            assert rel(states.index_select(0, verify_rows), ref_states) < 1e-5
+        keep = {i: 1 + i % lens[i] for i in range(n) if lens[i] > 1}  # some keep all their tokens
+        keep_states(batch, keep)
+        keep_states(ref_batch, keep)
+        assert rel(cache.state, ref_cache.state) < 1e-5 and torch.equal(cache.conv, ref_cache.conv)
+
+
+def test_gdn_verify_keeps_the_first_tokens_state():
+    """Keeping one token (every draft rejected) leaves the state a plain decode of that token leaves."""
+    extension()
+    m = layer(3, 6, 20, 13)
+    g = torch.Generator().manual_seed(5)
+    cache = pools(m, 3, "kernel", g)
+    plain = clone(cache)
+    x = torch.randn(4, 40, generator=g)
+    with torch.inference_mode():
+        batch = verify_batch([4], [9], [2], [[0]], 64)
+        y = m(x, batch, cache)
+        keep_states(batch, {0: 1})
+        y1 = m(x[:1], Batch.build([1], [9], [2], [[0]], 64), plain)
+    assert rel(y[:1], y1) < 1e-5  # (the projections of 4 rows and of 1 may round differently)
+    assert rel(cache.state, plain.state) < 1e-5 and rel(cache.conv, plain.conv) < 1e-6
+
+
+def test_gdn_verify_checks_its_input():
+    extension()
+    m = layer(3, 6, 20, 13)
+    g = torch.Generator().manual_seed(6)
+    cache = pools(m, 4, "kernel", g)
+    qkv, z = torch.randn(3, m.conv_dim, generator=g), torch.randn(3, m.value_dim, generator=g)
+    a, b = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    args = dict(conv_pool=cache.conv, conv_weight=m.conv_weight, state_pool=cache.state, A_log=m.A_log,
+                dt_bias=m.dt_bias, norm_weight=m.norm.weight, norm_eps=m.norm.eps, num_k_heads=3)
+    ok = verify_batch([3], [5], [1], [[0]], 64).verify_group
+    assert kdecode.gdn_verify(qkv, z, a, b, group=ok, **args) is not None
+    with kernels.backend("torch"):
+        assert kdecode.gdn_verify(qkv, z, a, b, group=ok, **args) is None
+    with pytest.raises(RuntimeError, match="slot 4 outside"):
+        kdecode.gdn_verify(qkv, z, a, b, group=verify_batch([3], [5], [4], [[0]], 64).verify_group, **args)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to 3"):
+        kdecode.gdn_verify(qkv, z, a, b, group=verify_batch([2], [5], [1], [[0]], 64).verify_group, **args)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_attention_verify_equals_torch(gated, monkeypatch):
+    """Each drafted token attends to the context and the drafts before it (causal inside the step)."""
+    ext = extension()
+    m = attn.layer(gated)
+    g = torch.Generator().manual_seed(7)
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
+    for lens in ([5], [3, 1, 9], [1, 6]):
+        n = len(lens)
+        ctx = torch.randint(1, 30, (n,), generator=g).tolist()
+        free = torch.randperm(200, generator=g).tolist()
+        tables = [[free.pop() for _ in range((c + q) // attn.BLOCK + 1)] for c, q in zip(ctx, lens)]
+        batch = verify_batch(lens, ctx, list(range(n)), tables, attn.BLOCK)
+        cache = SimpleNamespace(k=torch.randn(200, attn.BLOCK, 2, 20, generator=g),
+                                v=torch.randn(200, attn.BLOCK, 2, 20, generator=g))
+        ref_cache = clone(cache)
+        x = torch.randn(sum(lens), 36, generator=g)
+        calls.clear()
+        with torch.inference_mode():
+            with kernels.backend("torch"):
+                ref = m(x, batch, ref_cache)
+            y = m(x, batch, cache)
+        assert calls.count("attention_decode") == 1, calls
+        assert rel(y, ref) < 1e-5
+        assert rel(cache.k, ref_cache.k) < 1e-6 and torch.equal(cache.v, ref_cache.v)
+
+
+def test_a_step_with_a_prefill_entry_has_no_verify_group():
+    batch = Batch.build([3, 4], [5, 0], [0, 1], [[0, 1], [2]], 8, modes=["verify", "prefill"])
+    assert batch.verify_group is None and batch.token_tables is None
+    batch = Batch.build([3, 1], [5, 2], [0, 1], [[0, 1], [2]], 8, modes=["verify", "decode"])
+    assert batch.verify_group.entries == [0, 1] and batch.token_tables.tolist() == [[0, 1]] * 3 + [[2, -1]]
