@@ -17,14 +17,15 @@ import torch
 from kvstate.kernels import _ext
 from kvstate.kernels.dispatch import _DEFAULT, _forced
 from kvstate.kernels.threads import _wide
-from kvstate.ops import _threads
 
 MAX_ROWS = 64
-# Recurrent-state bytes of a call from which it gets all threads inside `small_ops_serial`: the
-# torch form's threshold (`ops._threads.MIN_WORK` multiply-adds, 64 MiB of fp32 state). Lower
-# (4 MiB, batch 4 of the 0.5b model) was measured on a busy machine to make batch-8 steps slower:
-# the main thread spins at the barrier while the second waits for a time slice.
-WIDE_STATE_BYTES = 4 * _threads.MIN_WORK
+# Bytes a call streams from which it gets all threads inside `small_ops_serial`: recurrent state
+# (read and written) and KV rows (read). Measured on the 0.5b model at batch 8 (8 MiB of GDN state
+# and ~4.6 MiB of KV per layer), 2 threads, one process, load average ~4 from other work: the GDN
+# state update 1.7x faster on both threads, attention 1.6x, the step 1.06x. (An earlier busy-machine
+# run found batch 8 slower with 4 MiB; the old threshold, 64 MiB, kept batch 8 on one thread.)
+WIDE_STATE_BYTES = 4 << 20
+WIDE_KV_BYTES = 1 << 20
 
 
 def _ext_for(rows: int, *tensors: torch.Tensor | None):
@@ -52,10 +53,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _wide_call(state_bytes: int, fn, *args):
-    """fn(*args), with all the step's threads when the state it updates is big (see WIDE_STATE_BYTES)."""
+def _wide_call(state_bytes: int, fn, *args, threshold: int | None = None):
+    """fn(*args), with all the step's threads when the state it streams is big (`threshold` bytes,
+    default WIDE_STATE_BYTES)."""
     wide = _wide.get()
-    if wide is None or state_bytes < WIDE_STATE_BYTES:
+    if wide is None or state_bytes < (WIDE_STATE_BYTES if threshold is None else threshold):
         return fn(*args)
     torch.set_num_threads(wide)
     try:
@@ -178,5 +180,6 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
         return None
     eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks]
-    return ext.attention_decode(q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions, k_cache, v_cache,
-                                tables, batch.kv_indices, scale)
+    kv_bytes = sum(batch.kv_lens) * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4  # keys + values read
+    return _wide_call(kv_bytes, ext.attention_decode, q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions,
+                      k_cache, v_cache, tables, batch.kv_indices, scale, threshold=WIDE_KV_BYTES)

@@ -70,3 +70,34 @@ def test_rows_outside_the_pool_are_refused():
     batch = Batch.build([1], [5], [0], [[0, 7]], BLOCK)  # block 7 of a 3-block pool
     with torch.inference_mode(), pytest.raises(RuntimeError, match="outside the pool"):
         m(torch.randn(1, 36, generator=g), batch, cache)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_attention_gets_all_threads_when_it_reads_enough_kv(big, monkeypatch):
+    """Inside `small_ops_serial` the kernel runs on one thread, unless the KV rows it reads reach
+    `WIDE_KV_BYTES`: then on all the step's threads (batch 8 of the 0.5b model: 1.6x)."""
+    from kvstate.kernels import decode as kdecode
+    from kvstate.kernels import threads
+
+    ext = extension()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    m = layer(True)
+    g = torch.Generator().manual_seed(2)
+    seen = []
+
+    class ThreadSpy(Spy):
+        def __getattr__(self, name):
+            fn = getattr(self.ext, name)
+            return lambda *a, **k: (seen.append((name, torch.get_num_threads())), fn(*a, **k))[1]
+
+    monkeypatch.setattr(_ext, "_loaded", {"module": ThreadSpy(ext, []), "reason": None})
+    monkeypatch.setattr(kdecode, "WIDE_KV_BYTES", 0 if big else 1 << 40)
+    batch = decode_step(5, g)
+    cache = SimpleNamespace(k=torch.randn(200, BLOCK, 2, 20, generator=g), v=torch.randn(200, BLOCK, 2, 20, generator=g))
+    try:
+        with torch.inference_mode(), threads.small_ops_serial():
+            m(torch.randn(5, 36, generator=g), batch, cache)
+    finally:
+        torch.set_num_threads(before)
+    assert [n for name, n in seen if name == "attention_decode"] == [2 if big else 1]
