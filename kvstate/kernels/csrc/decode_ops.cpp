@@ -206,28 +206,46 @@ Tensor gdn_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
 
 // All of Gated DeltaNet's decode work between in_proj and out_proj, for n sequences of one token:
 // conv window update + SiLU, q/k l2norm (q scaled), gates, the state update, the gated RMSNorm.
+// Gated DeltaNet's sizes from its pools, every argument checked: T token rows of qkv, z, a, b
+// [T, 2 H K + HV V | HV V | HV | HV], pools at n `slots`.
+struct GdnDims {
+  int64_t T, n, HV, K, V, D, W, S;
+};
+
+GdnDims check_gdn(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, const Tensor& conv_pool,
+                  const Tensor& conv_w, const Tensor& state_pool, const Tensor& slots, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_w, int64_t H) {
+  TORCH_CHECK(state_pool.dim() == 4, "kvstate decode: state pool must be [P, HV, K, V]");
+  GdnDims d{qkv.size(0), slots.numel(), state_pool.size(1), state_pool.size(2), state_pool.size(3), 0, 0, 0};
+  d.D = 2 * H * d.K + d.HV * d.V;
+  TORCH_CHECK(H > 0 && d.HV % H == 0, "kvstate decode: value heads must be a multiple of key heads");
+  check_rows(qkv, "qkv", d.T, d.D);
+  check_rows(z, "z", d.T, d.HV * d.V);
+  check_rows(a, "a", d.T, d.HV);
+  check_rows(b, "b", d.T, d.HV);
+  check_vec(A_log, "A_log", d.HV);
+  check_vec(dt_bias, "dt_bias", d.HV);
+  check_vec(norm_w, "norm weight", d.V);
+  check_pool(state_pool, "state pool", slots, d.n);
+  check_pool(conv_pool, "conv pool", slots, d.n);
+  TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(0) == d.D && conv_w.is_contiguous() &&
+                  conv_w.scalar_type() == at::kFloat,
+              "kvstate decode: conv weight must be a contiguous float32 [", d.D, ", W] tensor");
+  d.W = conv_w.size(1);
+  TORCH_CHECK(conv_pool.dim() == 3 && conv_pool.size(1) == d.D && conv_pool.size(2) >= d.W - 1,
+              "kvstate decode: conv pool must be [P, ", d.D, ", >= ", d.W - 1, "]");
+  d.S = conv_pool.size(2);
+  return d;
+}
+
+// All of Gated DeltaNet's decode work between in_proj and out_proj, for n sequences of one token:
+// conv window update + SiLU, q/k l2norm (q scaled), gates, the state update, the gated RMSNorm.
 Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, Tensor conv_pool,
                   const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
                   const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H) {
-  TORCH_CHECK(state_pool.dim() == 4, "kvstate decode: state pool must be [P, HV, K, V]");
-  const int64_t n = qkv.size(0), HV = state_pool.size(1), K = state_pool.size(2), V = state_pool.size(3);
-  const int64_t D = 2 * H * K + HV * V;
-  TORCH_CHECK(H > 0 && HV % H == 0, "kvstate decode: value heads must be a multiple of key heads");
-  check_rows(qkv, "qkv", n, D);
-  check_rows(z, "z", n, HV * V);
-  check_rows(a, "a", n, HV);
-  check_rows(b, "b", n, HV);
-  check_vec(A_log, "A_log", HV);
-  check_vec(dt_bias, "dt_bias", HV);
-  check_vec(norm_w, "norm weight", V);
-  check_pool(state_pool, "state pool", slots, n);
-  check_pool(conv_pool, "conv pool", slots, n);
-  const int64_t W = conv_w.size(1), S = conv_pool.size(2);
-  TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(0) == D && conv_w.is_contiguous() &&
-                  conv_w.scalar_type() == at::kFloat,
-              "kvstate decode: conv weight must be a contiguous float32 [", D, ", W] tensor");
-  TORCH_CHECK(conv_pool.dim() == 3 && conv_pool.size(1) == D && S >= W - 1, "kvstate decode: conv pool must be [P, ",
-              D, ", >= ", W - 1, "]");
+  const GdnDims d = check_gdn(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w, H);
+  TORCH_CHECK(d.T == d.n, "kvstate decode: one token per slot, got ", d.T, " rows for ", d.n, " slots");
+  const int64_t n = d.n, HV = d.HV, K = d.K, V = d.V, D = d.D, W = d.W, S = d.S;
   auto y = at::empty({n, D}, qkv.options());       // conv output: q | k | v
   auto gb = at::empty({2, n, HV}, qkv.options());  // decay (log), beta
   auto o = at::empty({n, HV * V}, qkv.options());
@@ -262,22 +280,8 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
                                               const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
                                               const Tensor& dt_bias, const Tensor& norm_w, double norm_eps,
                                               double scale, int64_t H) {
-  TORCH_CHECK(state_pool.dim() == 4 && conv_pool.dim() == 3, "kvstate verify: pools must be [P, HV, K, V], [P, D, S]");
-  const int64_t T = qkv.size(0), n = slots.numel(), HV = state_pool.size(1), K = state_pool.size(2);
-  const int64_t V = state_pool.size(3), D = 2 * H * K + HV * V, W = conv_w.size(1), S = conv_pool.size(2);
-  TORCH_CHECK(H > 0 && HV % H == 0, "kvstate verify: value heads must be a multiple of key heads");
-  check_rows(qkv, "qkv", T, D);
-  check_rows(z, "z", T, HV * V);
-  check_rows(a, "a", T, HV);
-  check_rows(b, "b", T, HV);
-  check_vec(A_log, "A_log", HV);
-  check_vec(dt_bias, "dt_bias", HV);
-  check_vec(norm_w, "norm weight", V);
-  check_pool(state_pool, "state pool", slots, n);
-  check_pool(conv_pool, "conv pool", slots, n);
-  TORCH_CHECK(conv_w.dim() == 2 && conv_w.size(0) == D && conv_w.is_contiguous() && conv_w.scalar_type() == at::kFloat,
-              "kvstate verify: conv weight must be a contiguous float32 [", D, ", W] tensor");
-  TORCH_CHECK(conv_pool.size(1) == D && S >= W - 1, "kvstate verify: conv pool must be [P, ", D, ", >= ", W - 1, "]");
+  const GdnDims d = check_gdn(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w, H);
+  const int64_t T = d.T, n = d.n, HV = d.HV, K = d.K, V = d.V, D = d.D, W = d.W, S = d.S;
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() && cu_seqlens.numel() == n + 1,
               "kvstate verify: cu_seqlens must be contiguous int64 [", n + 1, "]");
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
