@@ -53,7 +53,10 @@ struct Isa {
   }
   static V even(Raw r) { return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)); }
   static V odd(Raw r) { return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)))); }
-  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  // Non-temporal: the weights pass through L1 without displacing what the rest of the step keeps
+  // in L2/L3 (activations, norm weights, the interpreter's own data). Measured (EPYC, 2 threads,
+  // 0.5b linears, standalone A/B vs T0): fp32 1 row 1.07-1.1x, bf16 1 row 1.2x, 8 rows even.
+  static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_NTA); }
   // src[0:16] -> dst[0:8] = even elements, dst[8:16] = odd ones.
   static void deinterleave(const float* src, float* dst) {
     const V a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + L);
