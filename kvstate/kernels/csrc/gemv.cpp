@@ -96,7 +96,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const int64_t rows_per_item = 12;
   const int64_t items = (N - n_amx + rows_per_item - 1) / rows_per_item;
   const int64_t item_bytes = std::max<int64_t>(1, rows_per_item * K * w.element_size());
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / item_bytes);
+  const int64_t grain = std::max<int64_t>(1, ((64 << 10) + item_bytes - 1) / item_bytes);  // rounded up
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     const int64_t n0 = n_amx + i0 * rows_per_item, n1 = std::min(N, n_amx + i1 * rows_per_item);
     last_tile.store(wide ? kvstate::avx512::rows(args, n0, n1) : kvstate::avx2::rows(args, n0, n1),
