@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         name, text = next(iter(errors.items()))
         raise KvstateError(f"training {name} failed: {text}")
     if args.json:
-        json.dump({n: {str(e): a for e, a in r.items()} for n, r in results.items()}, sys.stdout, indent=2)
+        json.dump({n: {k: {str(e): a for e, a in v.items()} for k, v in r.items()} for n, r in results.items()},
+                  sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     _table(console, results, out)
@@ -117,12 +118,14 @@ def _progress(console, names, steps, *, enabled: bool):
 def _table(console, results, out: Path) -> None:
     from rich.table import Table
 
-    entries = sorted({e for r in results.values() for e in r})
-    table = Table(title="phonebook accuracy (exact answer) by book size")
-    table.add_column("model")
-    for e in entries:
-        table.add_column(f"{e} entries", justify="right")
-    for name, r in results.items():
-        table.add_row(name, *(f"{r[e]:.0%}" for e in entries))
-    console.print(table)
+    for key, title, unit in (("phonebook", "phonebook accuracy (exact answer) by book size", "entries"),
+                             ("copy", "copy accuracy (exact repeat) by passage length", "words")):
+        sizes = sorted({e for r in results.values() for e in r[key]})
+        table = Table(title=title)
+        table.add_column("model")
+        for e in sizes:
+            table.add_column(f"{e} {unit}", justify="right")
+        for name, r in results.items():
+            table.add_row(name, *(f"{r[key][e]:.0%}" for e in sizes))
+        console.print(table)
     console.print(f"saved under {out}")

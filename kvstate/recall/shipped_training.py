@@ -157,13 +157,24 @@ class Trainer:
 
 
 @torch.no_grad()
-def phonebook_accuracy(model, tokenizer, entries: int, *, n: int = 32, seed: int = 1234) -> float:
-    """Exact first-answer accuracy (teacher-forced argmax, equal to greedy) on `n` fresh books."""
-    rng = np.random.default_rng(seed)
-    encoded = [encode_chat(tokenizer, phonebook_chat(rng, entries, turns=1)) for _ in range(n)]
+def reply_accuracy(model, tokenizer, chats: list[Chat]) -> float:
+    """Share of the chats whose first reply is exactly right (teacher-forced argmax, equal to greedy)."""
+    encoded = [encode_chat(tokenizer, c) for c in chats]
     targets, owner = targets_of(encoded)
     was = model.training
     model.eval()
     logits = packed_forward(model, [ids for ids, _ in encoded], (targets != -100).nonzero().flatten())
     model.train(was)
-    return float(first_answer_exact(logits, targets, owner, n).float().mean())
+    return float(first_answer_exact(logits, targets, owner, len(chats)).float().mean())
+
+
+def phonebook_accuracy(model, tokenizer, entries: int, *, n: int = 32, seed: int = 1234) -> float:
+    """Exact first-answer accuracy on `n` fresh books of `entries` entries."""
+    rng = np.random.default_rng(seed)
+    return reply_accuracy(model, tokenizer, [phonebook_chat(rng, entries, turns=1) for _ in range(n)])
+
+
+def copy_accuracy(model, tokenizer, words: int, *, n: int = 32, seed: int = 4321) -> float:
+    """Share of `n` fresh passages of `words` random words repeated exactly ("Repeat this:")."""
+    rng = np.random.default_rng(seed)
+    return reply_accuracy(model, tokenizer, [copy_chat(rng, words) for _ in range(n)])

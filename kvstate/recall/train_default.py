@@ -1,11 +1,12 @@
 """`kvstate recall train-default`: train the two shipped phonebook models, one command, seeded.
 
 Both models are Qwen3.5 text checkpoints of the same size, trained the same way (same seed, same
-data stream); they differ only in their layer string: the hybrid `GGGA` (one full-attention
-layer after three Gated DeltaNet layers), the linear `GGGG`. Each run writes a fresh checkpoint
+data stream); they differ only in their layer string: the hybrid `GAGA` (Gated DeltaNet and
+full attention alternating; docs/recall.md says why not 3:1), the linear `GGGG`. Each run writes a fresh checkpoint
 (`init_checkpoint`), loads it with kvstate's loader, trains it (`shipped_training`), and saves
 it with the word-level tokenizer and Qwen's chat template (`chat_data`) into
-`<out>/<name>/`, which by default is the package's kvstate/data/models (kvstate.shipped).
+`<out>/<name>/`, which by default is the package's kvstate/data/models (kvstate.shipped); then
+scores its exact phonebook answers by book size and its exact repeats by passage length.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvstate.recall.shipped_training import TrainSettings
 # the shipped models: name -> layer string; everything else is shared
 LAYERS = {"kvstate-phonebook-hybrid": "GAGA", "kvstate-phonebook-linear": "GGGG"}
 EVAL_ENTRIES = (4, 8, 16, 32, 64)
+EVAL_COPY_WORDS = (16, 64)  # passage lengths of the copy check
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,16 @@ def write_tokenizer(tokenizer, path: Path) -> None:
 
 
 def train_one(layers: str, recipe: DefaultRecipe, out: Path, *,
-              on_step: Callable[[int, float, float], None] | None = None) -> dict[int, float]:
-    """Train one model and save it into `out`; -> phonebook accuracy at each of EVAL_ENTRIES."""
+              on_step: Callable[[int, float, float], None] | None = None) -> dict[str, dict[int, float]]:
+    """Train one model and save it into `out`; -> {"phonebook": accuracy at each of EVAL_ENTRIES,
+    "copy": exact repeats at each of EVAL_COPY_WORDS}."""
     import torch
 
     from kvstate.models.loader import load_model
     from kvstate.models.saver import save_checkpoint
     from kvstate.recall.chat_data import build_tokenizer
     from kvstate.recall.init_checkpoint import write_initial_checkpoint
-    from kvstate.recall.shipped_training import Trainer, phonebook_accuracy
+    from kvstate.recall.shipped_training import Trainer, copy_accuracy, phonebook_accuracy
 
     tokenizer = build_tokenizer()
     cfg = model_config(layers, recipe.size, tokenizer)
@@ -85,12 +88,13 @@ def train_one(layers: str, recipe: DefaultRecipe, out: Path, *,
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, plan, out)
     write_tokenizer(tokenizer, out)
-    return {e: phonebook_accuracy(model, tokenizer, e) for e in EVAL_ENTRIES}
+    return {"phonebook": {e: phonebook_accuracy(model, tokenizer, e) for e in EVAL_ENTRIES},
+            "copy": {w: copy_accuracy(model, tokenizer, w) for w in EVAL_COPY_WORDS}}
 
 
 def train_default(out_dir: Path, recipe: DefaultRecipe = DefaultRecipe(), *, names=tuple(LAYERS),
-                  on_step: Callable[[str, int, float, float], None] | None = None) -> dict[str, dict[int, float]]:
-    """Train each named shipped model into `out_dir/<name>`; -> name -> {entries: accuracy}."""
+                  on_step: Callable[[str, int, float, float], None] | None = None) -> dict[str, dict]:
+    """Train each named shipped model into `out_dir/<name>`; -> name -> `train_one`'s accuracies."""
     results = {}
     for name in names:
         step = None if on_step is None else (lambda i, loss, acc, name=name: on_step(name, i, loss, acc))

@@ -138,7 +138,8 @@ def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path
 
     recipe = DefaultRecipe(size=TINY, train=FAST, seed=1)
     acc = train_default(tmp_path / "a", recipe, names=("kvstate-phonebook-linear",))
-    assert set(acc["kvstate-phonebook-linear"]) == {4, 8, 16, 32, 64}
+    assert set(acc["kvstate-phonebook-linear"]["phonebook"]) == {4, 8, 16, 32, 64}
+    assert set(acc["kvstate-phonebook-linear"]["copy"]) == {16, 64}
     train_default(tmp_path / "b", recipe, names=("kvstate-phonebook-linear",))
     a, b = (load_file(tmp_path / d / "kvstate-phonebook-linear" / "model.safetensors") for d in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # seeded: the same weights
@@ -155,3 +156,27 @@ def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path
     with torch.no_grad():  # no cache: transformers' cache needs an attention layer to count its length
         ref = hf(torch.tensor([ids]), use_cache=False).logits[0]
     assert float((forward_logits(model, [ids])[0] - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_train_default_cli_reports_phonebook_and_copy_accuracy(tmp_path):
+    """The command's JSON and tables: exact answers by book size and exact repeats by passage length."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvstate", "recall", "train-default", "--steps", "2", "--only", "linear",
+           "--out", str(tmp_path)]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
+    result = json.loads(out)["kvstate-phonebook-linear"]
+    assert set(result["phonebook"]) == {"4", "8", "16", "32", "64"} and set(result["copy"]) == {"16", "64"}
+    assert all(0.0 <= a <= 1.0 for part in result.values() for a in part.values())
+    assert (tmp_path / "kvstate-phonebook-linear" / "model.safetensors").is_file()
+
+    from rich.console import Console
+
+    from kvstate.recall.cli_train_default import _table
+
+    console = Console(record=True, width=200)
+    _table(console, {"m": {"phonebook": {4: 0.5, 64: 0.25}, "copy": {16: 1.0, 64: 0.75}}}, tmp_path)
+    text = console.export_text()
+    assert "phonebook accuracy (exact answer)" in text and "copy accuracy (exact repeat)" in text  # (titles wrap)
+    assert "4 entries" in text and "64 words" in text and "75%" in text and "25%" in text
