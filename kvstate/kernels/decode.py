@@ -155,9 +155,10 @@ def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     ext = _ext_for(qkv.shape[0], qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
     if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
         return None
-    dk = state_pool.shape[2]
-    return ext.gdn_verify(qkv, z, a, b, conv_pool, conv_weight, state_pool, group.slots, group.cu_seqlens, A_log,
-                          dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
+    _, hv, dk, dv = state_pool.shape
+    return _wide_call(qkv.shape[0] * hv * dk * dv * 4, ext.gdn_verify, qkv, z, a, b, conv_pool, conv_weight,
+                      state_pool, group.slots, group.cu_seqlens, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5,
+                      num_k_heads)
 
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, q_norm,

@@ -193,8 +193,8 @@ inline void read_cols(const float* S, const float* q, const float* k, int64_t K,
   }
 }
 
-void gdn_head(float* S, const float* q, const float* k, const float* v, float decay, float beta, int64_t K,
-              int64_t V, float* o, float* tmp, const float* next) {
+void gdn_head(const float* S, float* out, const float* q, const float* k, const float* v, float decay, float beta,
+              int64_t K, int64_t V, float* o, float* tmp, const float* next) {
   float* sk = tmp;      // [V]: S^T k, then u
   float* sq = tmp + V;  // [V]: S^T q
   // one read of S for both products (with the decayed state S' = decay S:
@@ -218,14 +218,15 @@ void gdn_head(float* S, const float* q, const float* k, const float* v, float de
     o[c] = decay * sq[c] + kq * u;
     sk[c] = u;
   }
-  // the state is still in cache: S <- decay S + k u^T; meanwhile the next head's state comes in
+  // the state is still in cache: out <- decay S + k u^T; meanwhile the next head's state comes in
   for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V;
+    const float* row = S + i * V;
+    float* dst = out + i * V;
     const float ki = k[i];
     if (next != nullptr)
       for (int64_t c = 0; c < V; c += 16) _mm_prefetch(reinterpret_cast<const char*>(next + i * V + c), _MM_HINT_T0);
 #pragma omp simd
-    for (int64_t c = 0; c < V; ++c) row[c] = decay * row[c] + ki * sk[c];
+    for (int64_t c = 0; c < V; ++c) dst[c] = decay * row[c] + ki * sk[c];
   }
 }
 

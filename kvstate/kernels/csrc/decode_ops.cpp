@@ -154,6 +154,8 @@ struct HeadArgs {
   float* state;
   const int64_t* slots;
   float* o;
+  const float* src = nullptr;            // read the states from here (at src_slots) instead of in place
+  const int64_t* src_slots = nullptr;
 };
 
 void heads(const HeadArgs& a, int64_t n) {
@@ -165,8 +167,12 @@ void heads(const HeadArgs& a, int64_t n) {
       const float* q = a.qk + i * a.qk_stride + kh * a.K;
       float* o = a.o + j * a.V;
       const int64_t jn = j + 1 < j1 ? j + 1 : -1;  // the state this thread updates next
-      const float* next = jn < 0 ? nullptr : a.state + (a.slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V;
-      kvstate::dec::gdn_head(a.state + (a.slots[i] * a.HV + h) * a.K * a.V, q, q + a.H * a.K,
+      const float* next = jn < 0 ? nullptr  // (the state read next: in place, or from src)
+                                 : a.src == nullptr ? a.state + (a.slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V
+                                                    : a.src + (a.src_slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V;
+      float* S = a.state + (a.slots[i] * a.HV + h) * a.K * a.V;
+      const float* S_in = a.src == nullptr ? S : a.src + (a.src_slots[i] * a.HV + h) * a.K * a.V;
+      kvstate::dec::gdn_head(S_in, S, q, q + a.H * a.K,
                              a.v + i * a.v_stride + h * a.V, std::exp(a.decay[j]), a.beta[j], a.K, a.V, o,
                              tmp.data(), next);
       if (a.norm_w != nullptr)
@@ -272,9 +278,10 @@ Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Ten
 
 // Speculative decoding's verify step for Gated DeltaNet: entries of several tokens each (the last
 // known token and the drafts, packed by cu_seqlens [n + 1]), each token the decode math above on
-// its own copy of the state, so that the state (and conv window) after every token is kept:
+// its own row of the output, read from the previous token's row (or the pool), so that the state
+// (and conv window) after every token is kept:
 // states [T, HV, K, V] and windows [T, D, S] are returned for the rollback, and the pools end at
-// each entry's last token. One token's copy is read from the previous token's (or the pool's).
+// each entry's last token.
 std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
                                               Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
                                               const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
@@ -311,14 +318,12 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
     }
   }
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
-      const float* prev = t == cu[i] ? sp + sl[i] * state_len : st + (t - 1) * state_len;
-      at::parallel_for(0, HV, grain(K * V * 4), [&](int64_t h0, int64_t h1) {
-        std::copy(prev + h0 * K * V, prev + h1 * K * V, st + t * state_len + h0 * K * V);
-      });
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {  // token t reads the state after t - 1 (or the pool's), writes row t
+      const bool first = t == cu[i];
       HeadArgs args{yp + t * D, yp + t * D + 2 * H * K, gp + t * HV, gp + (T + t) * HV,
                     z.data_ptr<float>() + t * z.stride(0), norm_w.data_ptr<float>(), D, D, z.stride(0), H, HV, K, V,
-                    static_cast<float>(norm_eps), st, rows.data() + t, o.data_ptr<float>() + t * HV * V};
+                    static_cast<float>(norm_eps), st, rows.data() + t, o.data_ptr<float>() + t * HV * V,
+                    first ? sp : st, first ? sl + i : rows.data() + t - 1};
       heads(args, 1);
     }
     const int64_t last = cu[i + 1] - 1;

@@ -31,11 +31,12 @@ void conv_row(const float* x, float* state, const float* w, const float* bias, i
               bool silu, float* y);
 // x[n] *= rsqrt(sum(x^2) + 1e-6) * scale (the l2norm of q and k, q's scale folded in)
 void l2norm_scale(float* x, int64_t n, float scale);
-// One token of the gated delta rule on one head's state S [K, V] (updated in place), q already
-// l2-normed and scaled, k l2-normed: S' = decay S; u = beta (v - S'^T k); S <- S' + k u^T; o = S^T q.
-// tmp: 2 * V floats of scratch; next: the state [K, V] to prefetch meanwhile, or nullptr.
-void gdn_head(float* S, const float* q, const float* k, const float* v, float decay, float beta, int64_t K,
-              int64_t V, float* o, float* tmp, const float* next);
+// One token of the gated delta rule on one head's state S [K, V], q already l2-normed and scaled,
+// k l2-normed: S' = decay S; u = beta (v - S'^T k); out <- S' + k u^T; o = out^T q. `out` may be
+// S (in place) or another [K, V] (S is then left as it was). tmp: 2 * V floats of scratch; next:
+// the state [K, V] to prefetch meanwhile, or nullptr.
+void gdn_head(const float* S, float* out, const float* q, const float* k, const float* v, float decay, float beta,
+              int64_t K, int64_t V, float* o, float* tmp, const float* next);
 
 }  // namespace kvstate::dec
 
