@@ -70,27 +70,21 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)  # one call if fused
-        if batch.decode_only and self.act == "silu":
-            clear_fresh(cache.conv, batch.groups[0])  # entries with an empty cache start from zeros
-            clear_fresh(cache.state, batch.groups[0])
-            o = kdecode.gdn_decode(qkv, z, a, b, conv_pool=cache.conv, conv_weight=self.conv_weight,
-                                   state_pool=cache.state, group=batch.groups[0], A_log=self.A_log,
-                                   dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
-                                   num_k_heads=self.num_k_heads)  # [T, HV * V], or None if not served
+        group = batch.groups[0] if batch.decode_only else batch.verify_group  # one token per entry, or drafts
+        if group is not None and self.act == "silu":
+            clear_fresh(cache.conv, group)  # entries with an empty cache start from zeros
+            clear_fresh(cache.state, group)
+            args = dict(conv_pool=cache.conv, conv_weight=self.conv_weight, state_pool=cache.state, group=group,
+                        A_log=self.A_log, dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
+                        num_k_heads=self.num_k_heads)
+            if batch.decode_only:
+                o = kdecode.gdn_decode(qkv, z, a, b, **args)  # [T, HV * V], or None if not served
+            else:
+                out = kdecode.gdn_verify(qkv, z, a, b, **args)  # (o, states, windows), or None
+                o = None if out is None else out[0]
+                if out is not None:  # the state and conv window after every token, for keep_states
+                    batch.rollback += [(cache.state, group, out[1]), (cache.conv, group, out[2])]
             if o is not None:
-                return self.out_proj(o)
-        elif batch.verify_group is not None and self.act == "silu":
-            for group in batch.groups:
-                clear_fresh(cache.conv, group)
-                clear_fresh(cache.state, group)
-            out = kdecode.gdn_verify(qkv, z, a, b, conv_pool=cache.conv, conv_weight=self.conv_weight,
-                                     state_pool=cache.state, group=batch.verify_group, A_log=self.A_log,
-                                     dt_bias=self.dt_bias, norm_weight=self.norm.weight, norm_eps=self.norm.eps,
-                                     num_k_heads=self.num_k_heads)  # None if not served
-            if out is not None:
-                o, states, windows = out
-                batch.rollback.append((cache.state, batch.verify_group, states))
-                batch.rollback.append((cache.conv, batch.verify_group, windows))
                 return self.out_proj(o)
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

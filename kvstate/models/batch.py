@@ -130,7 +130,8 @@ class Batch:
                        for mode in ("decode", "prefill", "verify") if mode in modes)
         verify_group = token_tables = None
         if "verify" in modes and "prefill" not in modes:
-            verify_group = _group("verify", list(range(n)), query_lens, context_lens, offsets, slots, to)
+            verify_group = groups[0] if len(groups) == 1 else \
+                _group("verify", list(range(n)), query_lens, context_lens, offsets, slots, to)
             token_tables = to(tables.index_select(0, entry))
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,

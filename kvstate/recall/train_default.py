@@ -2,10 +2,10 @@
 
 Both models are Qwen3.5 text checkpoints of the same size, trained the same way (same seed, same
 data stream); they differ only in their layer string: the hybrid `GAGA` (Gated DeltaNet and
-full attention alternating; docs/recall.md says why not 3:1), the linear `GGGG`. Each run writes a fresh checkpoint
-(`init_checkpoint`), loads it with kvstate's loader, trains it (`shipped_training`), and saves
-it with the word-level tokenizer and Qwen's chat template (`chat_data`) into
-`<out>/<name>/`, which by default is the package's kvstate/data/models (kvstate.shipped); then
+full attention alternating; docs/recall.md says why not 3:1), the linear `GGGG`. Each run
+writes a fresh checkpoint (`init_checkpoint`), loads it with kvstate's loader, trains it
+(`shipped_training`), and saves it with the word-level tokenizer and Qwen's chat template
+(`chat_data`) into `<out>/<name>/`, which by default is the package's kvstate/data/models (kvstate.shipped); then
 scores its exact phonebook answers by book size and its exact repeats by passage length.
 """
 

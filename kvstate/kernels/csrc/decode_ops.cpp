@@ -160,18 +160,18 @@ struct HeadArgs {
 
 void heads(const HeadArgs& a, int64_t n) {
   const int64_t per_key = a.HV / a.H;
+  const float* src = a.src == nullptr ? a.state : a.src;
+  const int64_t* src_slots = a.src == nullptr ? a.slots : a.src_slots;
+  auto read = [&](int64_t j) { return src + (src_slots[j / a.HV] * a.HV + j % a.HV) * a.K * a.V; };  // head j's input
   at::parallel_for(0, n * a.HV, grain(a.K * a.V * 4), [&](int64_t j0, int64_t j1) {
     std::vector<float> tmp(2 * a.V);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t i = j / a.HV, h = j % a.HV, kh = h / per_key;
       const float* q = a.qk + i * a.qk_stride + kh * a.K;
       float* o = a.o + j * a.V;
-      const int64_t jn = j + 1 < j1 ? j + 1 : -1;  // the state this thread updates next
-      const float* next = jn < 0 ? nullptr  // (the state read next: in place, or from src)
-                                 : a.src == nullptr ? a.state + (a.slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V
-                                                    : a.src + (a.src_slots[jn / a.HV] * a.HV + jn % a.HV) * a.K * a.V;
+      const float* next = j + 1 < j1 ? read(j + 1) : nullptr;  // the state this thread reads next
       float* S = a.state + (a.slots[i] * a.HV + h) * a.K * a.V;
-      const float* S_in = a.src == nullptr ? S : a.src + (a.src_slots[i] * a.HV + h) * a.K * a.V;
+      const float* S_in = read(j);
       kvstate::dec::gdn_head(S_in, S, q, q + a.H * a.K,
                              a.v + i * a.v_stride + h * a.V, std::exp(a.decay[j]), a.beta[j], a.K, a.V, o,
                              tmp.data(), next);
@@ -210,8 +210,6 @@ Tensor gdn_recurrent(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   return o;
 }
 
-// All of Gated DeltaNet's decode work between in_proj and out_proj, for n sequences of one token:
-// conv window update + SiLU, q/k l2norm (q scaled), gates, the state update, the gated RMSNorm.
 // Gated DeltaNet's sizes from its pools, every argument checked: T token rows of qkv, z, a, b
 // [T, 2 H K + HV V | HV V | HV | HV], pools at n `slots`.
 struct GdnDims {
