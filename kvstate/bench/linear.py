@@ -50,8 +50,7 @@ def kernel_path(info: dict, dtype: str, rows: int) -> str:
     isa = info["isa"]
     if isa == "amx" and (dtype != "bf16" or rows < 3):  # AMX: bf16 weights, 3 or more rows a call
         isa = "avx512"
-    calls = -(-rows // kernels.BF16_CALL_ROWS) if dtype == "bf16" else 1
-    return isa if calls == 1 else f"{isa} x{calls}"
+    return isa
 
 
 def interleaved(fns, min_time: float, rounds: int = 3) -> list[float]:

@@ -8,7 +8,6 @@ the CPU has; built at install by `python -m kvstate.kernels.build`) for such inp
 """
 
 from kvstate.kernels.dispatch import (
-    BF16_CALL_ROWS,
     CHOICES,
     ENV,
     MAX_ROWS,
@@ -20,5 +19,5 @@ from kvstate.kernels.dispatch import (
 )
 from kvstate.kernels.linear_module import Linear
 
-__all__ = ["BF16_CALL_ROWS", "CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "info", "linear",
+__all__ = ["CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "info", "linear",
            "torch_linear"]

@@ -23,11 +23,10 @@ from kvstate.kernels.threads import _wide
 
 # Measured on the bench machine (one thread, 1024 x 3584 weights): with fp32 weights the kernel
 # beats F.linear 2.4x at 8 rows, 1.3x at 32, and ties at 64. With bf16 weights torch must first
-# upcast them (or use its slow bf16 GEMM): the kernel is 3.5x faster at 32 rows, 2.4x at 64, in
-# calls of 16 rows (the AMX path's limit), each streaming the weights once more.
+# upcast them (or use its slow bf16 GEMM): the kernel is 3.5x faster at 32 rows, 2.4x at 64 (one
+# call: the AMX path streams the weights once for any number of rows).
 MAX_ROWS = 32
 MAX_ROWS_BF16 = 64
-BF16_CALL_ROWS = 16
 CHOICES = ("auto", "torch", "amx", "avx512", "avx2")
 ENV = "KVSTATE_KERNELS"
 
@@ -114,11 +113,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
                 bias = bias.float().contiguous()
             x2 = x if flat else x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous
-            step = BF16_CALL_ROWS if weight.dtype == torch.bfloat16 else rows
-            if rows <= step:
-                y = ext.linear(x2, weight, bias, choice)
-            else:
-                y = torch.cat([ext.linear(x2[i:i + step], weight, bias, choice) for i in range(0, rows, step)])
+            y = ext.linear(x2, weight, bias, choice)
             return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
     return torch_linear(x, weight, bias)
 

@@ -120,3 +120,45 @@ def test_each_register_tile_runs_and_is_exact(n, k, dtype):
                 y = ext.linear(x, w, b, isa, narrow)
                 assert ext.last_tile() == TILES[isa][(name, m > 2 and not narrow)], (isa, m, narrow)
                 assert_close_to_truth(y, x, w, b)
+
+
+# AMX: one pass over the weights for up to 32 rows of x (two x blocks of 16), chunks of 32 beyond.
+AMX_SHAPES = [(32, 32), (37, 100), (96, 1000), (64, 160), (33, 2049)]
+
+
+@pytest.mark.parametrize("n,k", AMX_SHAPES)
+def test_amx_up_to_32_rows_in_one_pass(n, k):
+    """17..32 rows (the second x block ragged or whole), and 33..70 (a second chunk that re-reads each
+    W block): exact against the truth, and `last_amx_passes` says how many chunks ran: 1 up to 32 rows."""
+    ext = extension()
+    if "amx" not in ext.isas():
+        pytest.skip("this CPU has no AMX")
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    for m in [3, 16, 17, 18, 24, 31, 32, 33, 40, 48, 63, 64, 70]:
+        x = torch.randn(m, k, generator=g)
+        bias = b if m % 2 else None
+        assert_close_to_truth(ext.linear(x, w, bias, "amx"), x, w, bias)
+        assert ext.last_amx_passes() == -(-m // 32), m
+    x = 1 + torch.rand(32, k, generator=g)  # full 24-bit mantissas, no cancellation: all 3 parts count
+    wp = torch.rand(n, k, generator=g).bfloat16()
+    assert_close_to_truth(ext.linear(x, wp, None, "amx"), x, wp, None)
+
+
+def test_amx_32_rows_through_dispatch_is_one_call():
+    """kernels.linear sends 32 (and 64) rows with bf16 weights to the extension in one call, which
+    runs one AMX pass for 32 rows: the weights stream from memory once."""
+    ext = extension()
+    if "amx" not in ext.isas():
+        pytest.skip("this CPU has no AMX")
+    from kvstate import kernels
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 1024, generator=g).bfloat16()
+    for m, passes in [(32, 1), (64, 2)]:
+        x = torch.randn(m, 1024, generator=g)
+        with kernels.backend("amx"):
+            y = kernels.linear(x, w)
+        assert ext.last_amx_passes() == passes
+        assert_close_to_truth(y, x, w, None)

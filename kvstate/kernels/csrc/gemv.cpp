@@ -14,6 +14,9 @@ namespace {
 
 // The register tile of the last call's AVX path ("3x4"), for tests that prove a tile runs.
 std::atomic<const char*> last_tile{"none"};
+// The x-row chunks of the last AMX call (each a pass over every W block; only the first streams
+// the block from memory), for tests that prove 17..32 rows take one pass.
+std::atomic<int64_t> last_amx_passes{0};
 
 bool has_avx512() {
   __builtin_cpu_init();
@@ -61,9 +64,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
               "' not available on this CPU");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
-  // AMX serves bf16 weights for 3 to 16 rows, in blocks of 32 W rows; AVX-512 does the rest
+  // AMX serves bf16 weights for 3 or more rows, in blocks of 32 W rows; AVX-512 does the rest
   // (for 1-2 rows it computes less, and either way the weights stream at memory speed).
-  const bool use_amx = use == "amx" && bf16 && M >= 3 && M <= 16;
+  const bool use_amx = use == "amx" && bf16 && M >= 3;
   const bool wide = use != "avx2";
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
@@ -80,6 +83,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     const kvstate::AmxArgs args{x.data_ptr<float>(), xbp, M, K, w.data_ptr(), bptr, y.data_ptr<float>(), N};
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 32 * K * 2));
     at::parallel_for(0, n_amx / 32, grain, [&](int64_t i0, int64_t i1) { kvstate::amx::rows(args, i0 * 32, i1 * 32); });
+    if (n_amx > 0) last_amx_passes.store((M + kvstate::kAmxChunk - 1) / kvstate::kAmxChunk, std::memory_order_relaxed);
   }
   if (n_amx == N) return y;
   const int64_t Kp = (K + 2 * lanes - 1) / (2 * lanes) * (2 * lanes);
@@ -113,6 +117,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto", pybind11::arg("narrow") = false);
   m.def("last_tile", [] { return std::string(last_tile.load()); },
         "the register tile (W rows x x rows) the last AVX call ran, e.g. '3x4'");
+  m.def("last_amx_passes", [] { return last_amx_passes.load(); },
+        "x-row chunks (passes over each W block) of the last AMX call: 1 up to 32 rows");
   m.def("isas", &isas, "ISAs this CPU can run, best first");
   kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
 }

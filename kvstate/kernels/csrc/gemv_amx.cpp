@@ -4,9 +4,16 @@
 // parts, x = hi + mid + lo (8 + 8 + 8 significant bits, the 24 of fp32), and all three are
 // accumulated into the same tile: every product bf16 x bf16 is exact in fp32, the sums are fp32,
 // so the result is the fp32 math of the other paths (up to summation order). The weights are the
-// A operand straight from their row-major [N, K] storage (16 rows x 32 k per tile); x parts are
-// the B operand, pre-laid out [K/2][M][2]. Compute is then ~3 instructions per 1 KiB of weights
-// for any M <= 16: the step streams weights at memory speed whatever the batch.
+// A operand (16 rows x 32 k per tile), x parts the B operand, pre-laid out [K/2][M][2]. One pass
+// over the weights serves up to 32 rows of x (two C tiles per 16 W rows); more rows re-read each
+// block of 32 W rows from L2, so the weights stream from memory once for any M.
+//
+// Why the weights are copied through a small ring (`stage`): a tile load from W's strided rows
+// waits in order for all 16 of its lines, so memory latency stops the AMX pipe at every step
+// (and 32 rows 2 or 4 KiB apart share two L1 sets, evicting what a prefetch brought). Ordinary
+// vector loads a few steps ahead are out of order and keep memory streaming; the tile loads then
+// read contiguous, L1-resident rows. Measured on the 0.5b model's linears, 2 threads (Xeon, AMX):
+// 1.07x (8 rows) to 1.15x (32 rows) faster than direct tile loads with prefetches.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -83,81 +90,165 @@ void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xb) {
   alignas(64) int16_t odd_lanes[32];
   for (int t = 0; t < 32; ++t) odd_lanes[t] = int16_t(2 * t + 1);
   const __m512i pick = _mm512_load_si512(odd_lanes);
-  const __mmask16 keep = __mmask16((1u << M) - 1);
-  for (int64_t k = 0; k < K32; k += 32) {
-    __m512 words[3][16];  // [part][m] -> 16 pairs of this k block
-    for (int64_t m = 0; m < 16; ++m) {
-      if (m >= M) {
-        for (int q = 0; q < 3; ++q) words[q][m] = _mm512_setzero_ps();
-        continue;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {  // 16 rows of x at a time: one 16 x 16 transpose
+    const int64_t mb = std::min<int64_t>(16, M - m0);
+    const __mmask16 keep = __mmask16((1u << mb) - 1);
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m512 words[3][16];  // [part][m] -> 16 pairs of this k block
+      for (int64_t i = 0; i < 16; ++i) {
+        if (m0 + i >= M) {
+          for (int q = 0; q < 3; ++q) words[q][i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512i p[2][3];
+        for (int h = 0; h < 2; ++h) {
+          const __m512 v = _mm512_loadu_ps(x + (m0 + i) * K + k + 16 * h);
+          const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
+          const __m512 r1 = _mm512_sub_ps(v, hi);
+          const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
+          p[h][0] = _mm512_castps_si512(hi);
+          p[h][1] = _mm512_castps_si512(mid);
+          p[h][2] = _mm512_castps_si512(_mm512_sub_ps(r1, mid));
+        }
+        for (int q = 0; q < 3; ++q)
+          words[q][i] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(p[0][q], pick, p[1][q]));
       }
-      __m512i p[2][3];
-      for (int h = 0; h < 2; ++h) {
-        const __m512 v = _mm512_loadu_ps(x + m * K + k + 16 * h);
-        const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), top));
-        const __m512 r1 = _mm512_sub_ps(v, hi);
-        const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r1), top));
-        p[h][0] = _mm512_castps_si512(hi);
-        p[h][1] = _mm512_castps_si512(mid);
-        p[h][2] = _mm512_castps_si512(_mm512_sub_ps(r1, mid));
+      for (int q = 0; q < 3; ++q) {
+        float* out = reinterpret_cast<float*>(xb + q * part) + (k / 2) * M + m0;  // [16 pairs][M] words
+        if (M == 1) {
+          _mm512_storeu_ps(out, words[q][0]);
+          continue;
+        }
+        transpose16(words[q]);  // words[q][j] = pair j of rows m0..m0+15
+        for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(out + j * M, keep, words[q][j]);
       }
-      for (int q = 0; q < 3; ++q) words[q][m] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(p[0][q], pick, p[1][q]));
-    }
-    for (int q = 0; q < 3; ++q) {
-      float* out = reinterpret_cast<float*>(xb + q * part) + (k / 2) * M;  // [16 pairs][M] words
-      if (M == 1) {
-        _mm512_storeu_ps(out, words[q][0]);
-        continue;
-      }
-      transpose16(words[q]);  // words[q][j] = pair j of every row m
-      for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(out + j * M, keep, words[q][j]);
     }
   }
 }
 
-// y[:, n0:n1] for n1 - n0 a multiple of 32 (the caller gives the rest to the AVX-512 path).
-void rows(const AmxArgs& a, int64_t n0, int64_t n1) {
-  const int64_t M = a.M, K = a.K, K32 = K / 32 * 32, part = K32 * M;
+namespace {
+// Tiles: A (W) 2, 3: 16 W rows x 32 k. One x block (MB = 1, <= 16 rows): B 4, 5, 6 = the three
+// parts, C 0, 1. Two x blocks (MB = 2, 17..32 rows): B 4, 5 = one part of each block, loaded
+// again for every part; C 0, 1 (block 0) and 6, 7 (block 1). C[i][m]: W row i, x row m.
+void configure(int64_t m0, int64_t m1) {
   TileConfig cfg;
-  for (int t : {0, 1, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = uint16_t(4 * M);  // C: 16 n x M; B: 16 kp x M x 2
-  for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;                      // A: 16 n x 32 k
+  for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  const uint16_t c0 = uint16_t(4 * m0), c1 = uint16_t(4 * m1);
+  for (int t : {0, 1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = c0;
+  if (m1 == 0) {
+    for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = c0;
+  } else {
+    for (int t : {5, 6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = c1;
+  }
   _tile_loadconfig(&cfg);
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
-  const int64_t ldw = K * 2;  // bytes
-  float c[32 * 16];
-  for (int64_t nb = n0; nb < n1; nb += 32) {
-    const uint16_t* w0 = w + nb * K;
-    const uint16_t* w1 = w0 + 16 * K;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t k = 0; k < K32; k += 32) {
-      for (int r = 0; r < 16; ++r) {  // 32 row streams: more than the hardware prefetchers follow
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + k) + 1024, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + r * K + k) + 1024, _MM_HINT_T0);
-      }
-      _tile_loadd(2, w0 + k, ldw);
-      _tile_loadd(3, w1 + k, ldw);
-      const uint16_t* b = a.xb + (k / 2) * M * 2;
-      _tile_loadd(4, b, 4 * M);
-      _tile_loadd(5, b + part, 4 * M);
-      _tile_loadd(6, b + 2 * part, 4 * M);
+}
+
+constexpr int kAhead = 4;             // steps of 32 k the ring is filled ahead of the tile loads
+constexpr int kRing = kAhead + 1;      // ring slots: [32 W rows][32 k] bf16, 2 KiB each
+using Ring = uint16_t[kRing][32 * 32];
+
+// ring slot <- W[32 rows from w0, k:k+32], contiguous (64 B rows)
+inline void stage(const uint16_t* w0, int64_t K, int64_t k, uint16_t* slot) {
+  for (int r = 0; r < 32; ++r) _mm512_store_si512(slot + r * 32, _mm512_loadu_si512(w0 + r * K + k));
+}
+
+// C tiles += W[32 rows from w0, k 0:K32] . x[MB blocks of 16 rows from b]^T; the chunk's x parts
+// at b (row stride 4 M bytes, parts `part` elements apart).
+template <int MB>
+inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t part, int64_t M,
+                  Ring& ring) {
+  const int64_t ldb = 4 * M, steps = K32 / 32;
+  for (int64_t s = 0; s < std::min<int64_t>(kAhead, steps); ++s) stage(w0, K, s * 32, ring[s % kRing]);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s + kAhead < steps) stage(w0, K, (s + kAhead) * 32, ring[(s + kAhead) % kRing]);
+    _tile_loadd(2, ring[s % kRing], 64);            // W rows 0..15
+    _tile_loadd(3, ring[s % kRing] + 16 * 32, 64);  // W rows 16..31
+    const uint16_t* bk = b + s * 16 * M * 2;        // 16 pairs of k a step
+    if constexpr (MB == 1) {
+      _tile_loadd(4, bk, ldb);
+      _tile_loadd(5, bk + part, ldb);
+      _tile_loadd(6, bk + 2 * part, ldb);
       _tile_dpbf16ps(0, 2, 4);
       _tile_dpbf16ps(1, 3, 4);
       _tile_dpbf16ps(0, 2, 5);
       _tile_dpbf16ps(1, 3, 5);
       _tile_dpbf16ps(0, 2, 6);
       _tile_dpbf16ps(1, 3, 6);
-    }
-    _tile_stored(0, c, 4 * M);           // c[i][m] = sum for W row nb + i
-    _tile_stored(1, c + 16 * M, 4 * M);  // rows nb + 16 + i
-    for (int i = 0; i < 32; ++i) {
-      const uint16_t* wr = w + (nb + i) * K;
-      for (int64_t m = 0; m < M; ++m) {
-        float s = c[i * M + m];
-        const float* xr = a.x + m * K;
-        for (int64_t k = K32; k < K; ++k) s += bf16_value(wr[k]) * xr[k];
-        a.y[m * a.N + nb + i] = s + (a.bias ? a.bias[nb + i] : 0.f);
+    } else {
+      for (int q = 0; q < 3; ++q) {
+        _tile_loadd(4, bk + q * part, ldb);       // x rows 0..15 of the chunk
+        _tile_loadd(5, bk + q * part + 32, ldb);  // x rows 16.. (16 rows x 2 bf16 further)
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+        _tile_dpbf16ps(6, 2, 5);
+        _tile_dpbf16ps(7, 3, 5);
       }
+    }
+  }
+}
+}  // namespace
+
+// y[mc + m, nb + i] = c[i][m] (+ bias[nb + i], + the K % 32 tail) for the block's 32 W rows and
+// the chunk's cm x rows: 16 x 16 transposes, whole vectors of y.
+void store(const AmxArgs& a, const float* c, int64_t nb, int64_t mc, int64_t cm) {
+  const int64_t K32 = a.K / 32 * 32;
+  for (int ib = 0; ib < 32; ib += 16) {
+    const __m512 bias = a.bias ? _mm512_loadu_ps(a.bias + nb + ib) : _mm512_setzero_ps();
+    for (int64_t mb = 0; mb < cm; mb += 16) {
+      const int64_t mn = std::min<int64_t>(16, cm - mb);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps(__mmask16((1u << mn) - 1), c + (ib + i) * 32 + mb);
+      transpose16(r);  // r[m]: W rows ib..ib + 15 for x row mb + m
+      for (int64_t m = 0; m < mn; ++m) {
+        __m512 v = _mm512_add_ps(r[m], bias);
+        if (K32 < a.K) {  // the K tail, in scalar code: rare (K % 32 != 0)
+          alignas(64) float t[16];
+          const float* xr = a.x + (mc + mb + m) * a.K;
+          for (int i = 0; i < 16; ++i) {
+            const uint16_t* wr = static_cast<const uint16_t*>(a.w) + (nb + ib + i) * a.K;
+            float s = 0.f;
+            for (int64_t k = K32; k < a.K; ++k) s += bf16_value(wr[k]) * xr[k];
+            t[i] = s;
+          }
+          v = _mm512_add_ps(v, _mm512_load_ps(t));
+        }
+        _mm512_storeu_ps(a.y + (mc + mb + m) * a.N + nb + ib, v);
+      }
+    }
+  }
+}
+
+// y[:, n0:n1] for n1 - n0 a multiple of 32 (the caller gives the rest to the AVX-512 path). Each
+// block of 32 W rows is read from memory once, by the pass over x's first 32 rows; the passes over
+// later chunks of 32 rows (M > 32) find it in L2.
+void rows(const AmxArgs& a, int64_t n0, int64_t n1) {
+  const int64_t M = a.M, K = a.K, K32 = K / 32 * 32, part = K32 * M;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  alignas(64) float c[32 * 32];  // c[i][m]: W row i of the block, x row m of the chunk
+  alignas(64) Ring ring;
+  int64_t configured = -1;  // the chunk size the tiles are configured for
+  for (int64_t nb = n0; nb < n1; nb += 32) {
+    const uint16_t* w0 = w + nb * K;
+    for (int64_t mc = 0; mc < M; mc += kAmxChunk) {
+      const int64_t cm = std::min(kAmxChunk, M - mc), m0 = std::min<int64_t>(16, cm), m1 = cm - m0;
+      if (cm != configured) configure(m0, m1), configured = cm;
+      _tile_zero(0);
+      _tile_zero(1);
+      const uint16_t* b = a.xb + mc * 2;  // the chunk's first x row
+      if (m1 == 0) {
+        block<1>(w0, K, K32, b, part, M, ring);
+      } else {
+        _tile_zero(6);
+        _tile_zero(7);
+        block<2>(w0, K, K32, b, part, M, ring);
+      }
+      _tile_stored(0, c, 4 * 32);  // c[i][m]: W rows 0..15, x rows 0..15 of the chunk
+      _tile_stored(1, c + 16 * 32, 4 * 32);
+      if (m1 > 0) {
+        _tile_stored(6, c + 16, 4 * 32);  // x rows 16..cm - 1
+        _tile_stored(7, c + 16 * 32 + 16, 4 * 32);
+      }
+      store(a, c, nb, mc, cm);
     }
   }
   _tile_release();
