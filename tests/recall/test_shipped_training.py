@@ -132,6 +132,33 @@ def test_curriculum_grows_the_book_only_once_the_model_answers():
     assert 10 <= steps <= 30  # a running average over about 20 steps, not one lucky batch
 
 
+def test_copy_stage_samples_short_copy_chats_until_the_model_repeats_them():
+    from kvstate.recall.shipped_training import Curriculum, sample_chats
+
+    s = TrainSettings(copy_first=100, copy_until=0.6, first_copy_words=(2, 5), copy_share=0.25, copy_words=(30, 40),
+                      max_entries=4)
+    rng = np.random.default_rng(0)
+    chats = sample_chats(rng, s, 64, 4, copy_stage=True)
+    assert {c.kind for c in chats} == {"copy"} and all(2 <= len(c.answers[0].split()) <= 5 for c in chats)
+    later = sample_chats(rng, s, 400, 4)
+    copies = [c for c in later if c.kind == "copy"]
+    assert 0.15 < len(copies) / len(later) < 0.35 and any(c.kind == "phonebook" for c in later)
+    assert all(30 <= len(c.answers[0].split()) <= 40 for c in copies)
+
+    c = Curriculum(s)
+    for step in range(50):
+        assert c.copy_stage(step)
+        c.update(float("nan"), 0.0)  # no passage repeated yet: the stage goes on
+    steps = 0
+    while c.copy_stage(50 + steps):
+        c.update(float("nan"), 1.0)
+        steps += 1
+    assert 10 <= steps <= 30 and c.top == 2  # a running rate over about 20 steps; books untouched
+    capped = Curriculum(s)
+    assert capped.copy_stage(99) and not capped.copy_stage(100)  # at most copy_first steps
+    assert not Curriculum(TrainSettings()).copy_stage(0)  # no copy stage by default
+
+
 def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
