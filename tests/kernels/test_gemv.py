@@ -97,17 +97,22 @@ def test_x_keeps_all_24_bits(n, k):
             assert_close_to_truth(ext.linear(x[:m], w, None, isa), x[:m], w, None)
 
 
-# The register tile each ISA runs for few (1-2) and for more rows of x (gemv_avx2.cpp / gemv_avx512.cpp).
-TILES = {"avx2": {("fp32", False): "4x2", ("bf16", False): "4x2", ("fp32", True): "3x4", ("bf16", True): "4x2"},
-         "avx512": {key: "4x4" for key in [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]}}
+# The register tile each ISA runs for few (1-2), 5-8 and the other row counts of x (gemv_avx2.cpp /
+# gemv_avx512.cpp), by weight dtype.
+TILES = {"avx2": {"fp32": ("4x2", "3x4", "3x4"), "bf16": ("4x2", "4x2", "4x2")},
+         "avx512": {"fp32": ("4x4", "3x8", "4x4"), "bf16": ("4x4", "4x4", "4x4")}}
+
+
+def row_class(m, narrow):
+    return 0 if m <= 2 or narrow else 1 if 5 <= m <= 8 else 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("n,k", [(37, 1000), (130, 33), (1031, 2049)])
 def test_each_register_tile_runs_and_is_exact(n, k, dtype):
     """Each row range's own tile computes the call (`last_tile` says which), against the truth:
-    blocks of 3 W rows with a short last one, passes of 4 x rows with a short last one, K tiles
-    with a ragged rest, both threads. narrow=True sends every row count through the few-rows tile."""
+    blocks of 3 or 4 W rows with a short last one, passes of 4 or 8 x rows with a short last one, K
+    tiles with a ragged rest, both threads. narrow=True sends every row count through the few-rows tile."""
     ext = extension()
     name = "fp32" if dtype == torch.float32 else "bf16"
     g = torch.Generator().manual_seed(n + k)
@@ -118,7 +123,7 @@ def test_each_register_tile_runs_and_is_exact(n, k, dtype):
             x = torch.randn(m, k, generator=g)
             for narrow in (False, True):
                 y = ext.linear(x, w, b, isa, narrow)
-                assert ext.last_tile() == TILES[isa][(name, m > 2 and not narrow)], (isa, m, narrow)
+                assert ext.last_tile() == TILES[isa][name][row_class(m, narrow)], (isa, m, narrow)
                 assert_close_to_truth(y, x, w, b)
 
 

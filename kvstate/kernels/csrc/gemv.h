@@ -19,7 +19,9 @@ struct GemvArgs {
 };
 
 // Per ISA: prepare_x lays x out for the kernel (Kp = K rounded up to 2 * kLanes); rows computes
-// the output columns [n0, n1) for every row of x and returns its register tile ("3x4": W rows x x rows).
+// the output columns [n0, n1) for every row of x and returns its register tile ("3x4": W rows x x rows),
+// which each ISA picks by row class: kFewRows (1-2 rows, or `narrow`), kMidRows (5-8), kManyRows.
+enum RowClass { kFewRows, kMidRows, kManyRows };
 namespace avx512 {
 constexpr int kLanes = 16;
 void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, float* xp);

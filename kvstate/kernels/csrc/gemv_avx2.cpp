@@ -21,10 +21,10 @@ struct Isa {
   using V = __m256;
   using Raw = __m256i;
   static constexpr int L = kLanes;
-  // The register tile (R W rows x MT x rows) for few (M <= 2) or many rows of x.
-  template <bool BF16, bool WIDE>
+  // The register tile (R W rows x MT x rows) for few (M <= 2) or more rows of x.
+  template <bool BF16, int ROWS>
   struct Plan {
-    static constexpr bool k3x4 = WIDE && !BF16;
+    static constexpr bool k3x4 = ROWS != kFewRows && !BF16;
     static constexpr int R = k3x4 ? 3 : 4;
     static constexpr int MT = k3x4 ? 4 : 2;
     static constexpr bool kWregs = k3x4;
@@ -33,6 +33,7 @@ struct Isa {
   static V zero() { return _mm256_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void keep(V&) {}  // (measured with the compiler's own choice; see the AVX-512 Isa)
   static float reduce(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);

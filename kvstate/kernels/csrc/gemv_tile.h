@@ -1,7 +1,7 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
 // (V, L, zero, fma, load, reduce, wf32, wf32_tail, Raw, wbf16, wbf16_tail, even, odd, prefetch,
-// deinterleave) and the register tiles it runs (`Isa::Plan<bf16, wide>`: R, MT, kWregs).
+// deinterleave, keep) and the register tiles it runs (`Isa::Plan<bf16, row class>`: R, MT, kWregs).
 // Deliberately no includes: the including file provides <algorithm> and <cstdint>.
 //
 // Shape of the work: the W rows of one call are streamed once from memory. A register tile is R
@@ -24,7 +24,8 @@ inline __attribute__((always_inline)) void step_f32(const float* w, int64_t K, c
     V wv[R];
     for (int r = 0; r < R; ++r) wv[r] = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
     for (int m = 0; m < MT; ++m) {
-      const V xv = Isa::load(x + m * Kp + k);
+      V xv = Isa::load(x + m * Kp + k);
+      Isa::keep(xv);
       for (int r = 0; r < R; ++r) acc[m][r] = Isa::fma(wv[r], xv, acc[m][r]);
     }
   } else {
@@ -192,17 +193,21 @@ void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
   }
 }
 
-// The ISA's plan for this call: few rows (M <= 2) or many. Returns the tile, e.g. "3x4".
+template <bool BF16, int ROWS>
+const char* rows_plan(const GemvArgs& a, int64_t n0, int64_t n1) {
+  using P = Isa::Plan<BF16, ROWS>;
+  rows_with<BF16, P::R, P::MT, P::kWregs>(a, n0, n1);
+  return P::name;
+}
+
+// The ISA's plan for this call by its row class: few rows (M <= 2, or `narrow`), 5 to 8, or the
+// rest. Returns the tile, e.g. "3x4".
 const char* rows(const GemvArgs& a, int64_t n0, int64_t n1) {
-  using S32 = Isa::Plan<false, false>;
-  using W32 = Isa::Plan<false, true>;
-  using S16 = Isa::Plan<true, false>;
-  using W16 = Isa::Plan<true, true>;
-  const bool wide = a.M > 2 && !a.narrow;
+  const int cls = a.M <= 2 || a.narrow ? kFewRows : a.M >= 5 && a.M <= 8 ? kMidRows : kManyRows;
   if (a.bf16) {
-    if (wide) return rows_with<true, W16::R, W16::MT, W16::kWregs>(a, n0, n1), W16::name;
-    return rows_with<true, S16::R, S16::MT, S16::kWregs>(a, n0, n1), S16::name;
+    if (cls == kFewRows) return rows_plan<true, kFewRows>(a, n0, n1);
+    return cls == kMidRows ? rows_plan<true, kMidRows>(a, n0, n1) : rows_plan<true, kManyRows>(a, n0, n1);
   }
-  if (wide) return rows_with<false, W32::R, W32::MT, W32::kWregs>(a, n0, n1), W32::name;
-  return rows_with<false, S32::R, S32::MT, S32::kWregs>(a, n0, n1), S32::name;
+  if (cls == kFewRows) return rows_plan<false, kFewRows>(a, n0, n1);
+  return cls == kMidRows ? rows_plan<false, kMidRows>(a, n0, n1) : rows_plan<false, kManyRows>(a, n0, n1);
 }
