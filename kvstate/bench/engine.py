@@ -3,8 +3,11 @@
 Same checkpoint and the same prompts on both sides, in one process: a random Qwen3.5-style one
 (fp32) by default, or any checkpoint given with `--model PATH_OR_HUB_ID`. kvstate keeps its weight
 matrices in `--weight-dtype` (default: the checkpoint's), activations fp32; transformers runs fp32.
-Decode speed is measured the same way for both: the time of generating N tokens minus the time
-of generating 1 (prefill + first token), over N - 1 steps. Bytes per decode step are what must be
+Decode speed: kvstate's is the time of one generate() of N tokens minus its first engine step
+(prefill + first token), over N - 1 steps; transformers' (which cannot be stepped) the time of
+generating N tokens minus that of generating 1, over N - 1. (The difference of two calls let the
+prefill's variation from one call to the next, ~1 s of an 8 s prefill at batch 8, into kvstate's
+figure: ~30 ms a step.) Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
 and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` of 1 GiB on the
 same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes
@@ -132,18 +135,34 @@ def run(args: argparse.Namespace) -> int:
     wbytes = weight_bytes(llm.model)
 
     def ours(prompts, n):
+        """(seconds of generating n tokens, seconds of its first engine step: prefill + first token)"""
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        return time.perf_counter() - t0
+        core, steps = llm.engine, []
+        step = core.step
+
+        def timed_step():
+            t = time.perf_counter()
+            try:
+                return step()
+            finally:
+                steps.append(time.perf_counter() - t)
+
+        core.step = timed_step  # an instance attribute over the method, removed below
+        try:
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            return time.perf_counter() - t0, steps[0]
+        finally:
+            del core.step
 
     def theirs(prompts, n):
+        """(seconds of generating n tokens, None: generate() cannot be stepped)"""
         ids = torch.tensor(prompts)
         t0 = time.perf_counter()
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, None
 
     sides = [("kvstate", ours)] + ([] if hf is None else [("transformers", theirs)])
     rows = []
@@ -156,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
         step_bytes = wbytes + b * (spec.state_bytes + ctx * spec.kv_bytes_per_token)
         for name, fn in sides:
             with console.status(f"decode batch {b}: {name}"):
-                t1 = fn(prompts, 1)
-                tn = fn(prompts, new)
+                tn, first = fn(prompts, new)
+                t1 = first if first is not None else fn(prompts, 1)[0]
             if tn <= t1:  # N tokens no slower than 1: the machine's noise swamped the decode steps
                 console.print(f"[yellow]decode batch {b}, {name}: {new} tokens took no longer than 1; not "
                               f"measured (busy machine? raise --new-tokens)[/]")
@@ -170,9 +189,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = [torch.randint(0, vocab, (prefill_len,), generator=g).tolist()]
     for name, fn in sides:
         with console.status(f"prefill {prefill_len}: {name}"):
-            t = fn(prompt, 1)
-        rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=prefill_len / t, ms_per_step=1e3 * t,
-                         gbps=None, bandwidth_fraction=None))
+            t = fn(prompt, 1)[0]
+        rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=prefill_len / t if t > 0 else None,
+                         ms_per_step=1e3 * t, gbps=None, bandwidth_fraction=None))
     speed = {(r["impl"], r["phase"], r["batch"]): r["tokens_per_s"] for r in rows if r["tokens_per_s"]}
     profiles = {}
     for b in profile_batches:
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                                            prompt=prefill_len, gen=args.llama_gen,
                                            embedding_params=vocab * llm.plan.hidden_size,
                                            decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
-                                           prefill=speed[("kvstate", "prefill", 1)])
+                                           prefill=speed.get(("kvstate", "prefill", 1), 0.0))
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
