@@ -38,7 +38,7 @@ const char* rows(const GemvArgs& a, int64_t n0, int64_t n1);
 constexpr int64_t kAmxChunk = 32;
 struct AmxArgs {
   const float* x;      // [M, K] as given (for the K % 32 tail)
-  const uint16_t* xb;  // [3][K / 32 * 16][M][2] bf16 parts of x
+  const uint16_t* xb;  // [K / 32 * 16][3][M][2] bf16 parts of x
   int64_t M, K;
   const void* w;       // [N, K] bf16
   const float* bias;

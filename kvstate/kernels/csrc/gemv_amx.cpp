@@ -2,11 +2,12 @@
 //
 // AMX multiplies bf16 tiles into fp32 accumulators, so x is split exactly enough into three bf16
 // parts, x = hi + mid + lo (8 + 8 + 8 significant bits, the 24 of fp32), and all three are
-// accumulated into the same tile: every product bf16 x bf16 is exact in fp32, the sums are fp32,
-// so the result is the fp32 math of the other paths (up to summation order). The weights are the
-// A operand (16 rows x 32 k per tile), x parts the B operand, pre-laid out [K/2][M][2]. One pass
-// over the weights serves up to 32 rows of x (two C tiles per 16 W rows); more rows re-read each
-// block of 32 W rows from L2, so the weights stream from memory once for any M.
+// accumulated: every product bf16 x bf16 is exact in fp32, the sums are fp32, so the result is
+// the fp32 math of the other paths (up to summation order). The weights are the A operand (16
+// rows x 32 k per tile), x parts the B operand, pre-laid out [K/2][3][M][2]. Up to 10 rows the 3 M
+// (part, row) columns share one or two B tiles (2 or 4 tile products per 32 W rows and 32 k
+// instead of 6); one pass over the weights serves up to 32 rows of x (two C tiles per 16 W rows);
+// more rows re-read each block of 32 W rows from L2, so the weights stream from memory once for any M.
 //
 // Why the weights are copied through a small ring (`stage`): a tile load from W's strided rows
 // waits in order for all 16 of its lines, so memory latency stops the AMX pipe at every step
@@ -79,11 +80,12 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// x [M, K] -> xb [3][K32 / 2][M][2] bf16 parts (K32 = K rounded down to 32; the rest of K is
-// done in scalar code by rows()). Truncating to bf16 makes each part and each remainder exact:
-// hi = top 8 bits of x, mid = top 8 bits of x - hi, lo = the rest (x = hi + mid + lo).
+// x [M, K] -> xb [K32 / 2][3][M][2] bf16 parts (K32 = K rounded down to 32; the rest of K is
+// done in scalar code by rows()): row p of a B tile is k pair p of every part and x row, 3 M
+// 32-bit words. Truncating to bf16 makes each part and each remainder exact: hi = top 8 bits of
+// x, mid = top 8 bits of x - hi, lo = the rest (x = hi + mid + lo).
 void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xb) {
-  const int64_t K32 = K / 32 * 32, part = K32 * M;
+  const int64_t K32 = K / 32 * 32;
   const __m512i top = _mm512_set1_epi32(int(0xFFFF0000u));
   // 16-bit lanes 1, 3, 5, ..., 63 of two vectors: the bf16 halves of 32 floats, in order, so
   // 32-bit word j holds the pair (k + 2j, k + 2j + 1).
@@ -114,22 +116,19 @@ void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xb) {
           words[q][i] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(p[0][q], pick, p[1][q]));
       }
       for (int q = 0; q < 3; ++q) {
-        float* out = reinterpret_cast<float*>(xb + q * part) + (k / 2) * M + m0;  // [16 pairs][M] words
-        if (M == 1) {
-          _mm512_storeu_ps(out, words[q][0]);
-          continue;
-        }
+        float* out = reinterpret_cast<float*>(xb) + (k / 2) * 3 * M + q * M + m0;  // [16 pairs][3][M] words
         transpose16(words[q]);  // words[q][j] = pair j of rows m0..m0+15
-        for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(out + j * M, keep, words[q][j]);
+        for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(out + j * 3 * M, keep, words[q][j]);
       }
     }
   }
 }
 
 namespace {
-// Tiles: A (W) 2, 3: 16 W rows x 32 k. One x block (MB = 1, <= 16 rows): B 4, 5, 6 = the three
-// parts, C 0, 1. Two x blocks (MB = 2, 17..32 rows): B 4, 5 = one part of each block, loaded
-// again for every part; C 0, 1 (block 0) and 6, 7 (block 1). C[i][m]: W row i, x row m.
+// Tiles: A (W) 2, 3: 16 W rows x 32 k. m0, m1: the columns of the first and second block of B
+// (x rows, or packed (part, row) pairs; see block()). One block: B 4 (packed) or 4, 5, 6 (the
+// three parts), C 0, 1. Two blocks: B 4, 5 (packed, or one part of each block, loaded again for
+// every part); C 0, 1 (block 0) and 6, 7 (block 1). C[i][j]: W row i, column j.
 void configure(int64_t m0, int64_t m1) {
   TileConfig cfg;
   for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -152,22 +151,32 @@ inline void stage(const uint16_t* w0, int64_t K, int64_t k, uint16_t* slot) {
   for (int r = 0; r < 32; ++r) _mm512_store_si512(slot + r * 32, _mm512_loadu_si512(w0 + r * K + k));
 }
 
-// C tiles += W[32 rows from w0, k 0:K32] . x[MB blocks of 16 rows from b]^T; the chunk's x parts
-// at b (row stride 4 M bytes, parts `part` elements apart).
-template <int MB>
-inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t part, int64_t M,
-                  Ring& ring) {
-  const int64_t ldb = 4 * M, steps = K32 / 32;
+// C tiles += W[32 rows from w0, k 0:K32] . B columns^T. PACKED: the B columns are all 3 M of
+// (part, x row), MB blocks of 16 from b (M <= 10: each product once, 2 or 4 per step). Else the
+// columns are one chunk's x rows (MB blocks of 16 from b), one part at a time, the parts M words
+// apart: 6 or 12 products per step.
+template <int MB, bool PACKED>
+inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t M, Ring& ring) {
+  const int64_t ldb = 12 * M, steps = K32 / 32;  // B row stride: 3 M words
   for (int64_t s = 0; s < std::min<int64_t>(kAhead, steps); ++s) stage(w0, K, s * 32, ring[s % kRing]);
   for (int64_t s = 0; s < steps; ++s) {
     if (s + kAhead < steps) stage(w0, K, (s + kAhead) * 32, ring[(s + kAhead) % kRing]);
     _tile_loadd(2, ring[s % kRing], 64);            // W rows 0..15
     _tile_loadd(3, ring[s % kRing] + 16 * 32, 64);  // W rows 16..31
-    const uint16_t* bk = b + s * 16 * M * 2;        // 16 pairs of k a step
-    if constexpr (MB == 1) {
+    const uint16_t* bk = b + s * 16 * 3 * M * 2;    // 16 pairs of k a step
+    if constexpr (PACKED) {
+      _tile_loadd(4, bk, ldb);  // columns 0..15
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+      if constexpr (MB == 2) {
+        _tile_loadd(5, bk + 32, ldb);  // columns 16.. (16 words further)
+        _tile_dpbf16ps(6, 2, 5);
+        _tile_dpbf16ps(7, 3, 5);
+      }
+    } else if constexpr (MB == 1) {
       _tile_loadd(4, bk, ldb);
-      _tile_loadd(5, bk + part, ldb);
-      _tile_loadd(6, bk + 2 * part, ldb);
+      _tile_loadd(5, bk + 2 * M, ldb);
+      _tile_loadd(6, bk + 4 * M, ldb);
       _tile_dpbf16ps(0, 2, 4);
       _tile_dpbf16ps(1, 3, 4);
       _tile_dpbf16ps(0, 2, 5);
@@ -176,8 +185,8 @@ inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b,
       _tile_dpbf16ps(1, 3, 6);
     } else {
       for (int q = 0; q < 3; ++q) {
-        _tile_loadd(4, bk + q * part, ldb);       // x rows 0..15 of the chunk
-        _tile_loadd(5, bk + q * part + 32, ldb);  // x rows 16.. (16 rows x 2 bf16 further)
+        _tile_loadd(4, bk + q * 2 * M, ldb);       // x rows 0..15 of the chunk
+        _tile_loadd(5, bk + q * 2 * M + 32, ldb);  // x rows 16.. (16 words further)
         _tile_dpbf16ps(0, 2, 4);
         _tile_dpbf16ps(1, 3, 4);
         _tile_dpbf16ps(6, 2, 5);
@@ -219,34 +228,47 @@ void store(const AmxArgs& a, const float* c, int64_t nb, int64_t mc, int64_t cm)
 }
 
 // y[:, n0:n1] for n1 - n0 a multiple of 32 (the caller gives the rest to the AVX-512 path). Each
-// block of 32 W rows is read from memory once, by the pass over x's first 32 rows; the passes over
-// later chunks of 32 rows (M > 32) find it in L2.
+// block of 32 W rows is read from memory once. Up to 10 rows, the 3 M (part, row) columns fill
+// one or two B tiles and each part's sums are added in the epilogue; up to 32 rows, one pass with
+// the parts in turn; beyond, chunks of 32 rows, the later ones finding the block in L2.
 void rows(const AmxArgs& a, int64_t n0, int64_t n1) {
-  const int64_t M = a.M, K = a.K, K32 = K / 32 * 32, part = K32 * M;
+  const int64_t M = a.M, K = a.K, K32 = K / 32 * 32;
   const uint16_t* w = static_cast<const uint16_t*>(a.w);
-  alignas(64) float c[32 * 32];  // c[i][m]: W row i of the block, x row m of the chunk
+  alignas(64) float c[32 * 32];  // c[i][j]: W row i of the block, column j (x row, or part and row)
   alignas(64) Ring ring;
-  int64_t configured = -1;  // the chunk size the tiles are configured for
+  const bool packed = 3 * M <= 32;
+  int64_t configured = -1;  // the columns the tiles are configured for
   for (int64_t nb = n0; nb < n1; nb += 32) {
     const uint16_t* w0 = w + nb * K;
     for (int64_t mc = 0; mc < M; mc += kAmxChunk) {
-      const int64_t cm = std::min(kAmxChunk, M - mc), m0 = std::min<int64_t>(16, cm), m1 = cm - m0;
-      if (cm != configured) configure(m0, m1), configured = cm;
+      const int64_t cm = std::min(kAmxChunk, M - mc), cols = packed ? 3 * M : cm;
+      const int64_t m0 = std::min<int64_t>(16, cols), m1 = cols - m0;
+      if (cols != configured) configure(m0, m1), configured = cols;
       _tile_zero(0);
       _tile_zero(1);
-      const uint16_t* b = a.xb + mc * 2;  // the chunk's first x row
-      if (m1 == 0) {
-        block<1>(w0, K, K32, b, part, M, ring);
-      } else {
+      if (m1 > 0) {
         _tile_zero(6);
         _tile_zero(7);
-        block<2>(w0, K, K32, b, part, M, ring);
       }
-      _tile_stored(0, c, 4 * 32);  // c[i][m]: W rows 0..15, x rows 0..15 of the chunk
+      const uint16_t* b = a.xb + mc * 2;  // the chunk's first x row
+      if (packed)
+        m1 == 0 ? block<1, true>(w0, K, K32, b, M, ring) : block<2, true>(w0, K, K32, b, M, ring);
+      else
+        m1 == 0 ? block<1, false>(w0, K, K32, b, M, ring) : block<2, false>(w0, K, K32, b, M, ring);
+      _tile_stored(0, c, 4 * 32);  // c[i][j]: W rows 0..15, columns 0..15
       _tile_stored(1, c + 16 * 32, 4 * 32);
       if (m1 > 0) {
-        _tile_stored(6, c + 16, 4 * 32);  // x rows 16..cm - 1
+        _tile_stored(6, c + 16, 4 * 32);  // columns 16..
         _tile_stored(7, c + 16 * 32 + 16, 4 * 32);
+      }
+      if (packed) {  // x row m = part sums in columns m, M + m, 2 M + m
+        const __mmask16 keep = __mmask16((1u << M) - 1);
+        for (int i = 0; i < 32; ++i) {
+          const float* ci = c + i * 32;
+          const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(keep, ci), _mm512_maskz_loadu_ps(keep, ci + M)),
+                                           _mm512_maskz_loadu_ps(keep, ci + 2 * M));
+          _mm512_mask_storeu_ps(c + i * 32, keep, sum);
+        }
       }
       store(a, c, nb, mc, cm);
     }
