@@ -74,7 +74,10 @@ def _init_conv(weight: torch.Tensor) -> None:
 
 class LayerMixer(nn.Module):
     """A kvstate layer class over [B, T, width]: packed into its (x [B*T, width], batch, cache) call,
-    with zeroed cache tensors the layer writes (its KV or its conv window and final state)."""
+    with zeroed cache tensors the layer writes (its KV or its conv window and final state).
+    Attention trains through `_attention` (one batched SDPA call with the layer's weights)."""
+
+    batched_attention = True  # False: through the layer's paged path (the test compares the two)
 
     def __init__(self, kind: str, size: MixerSize):
         super().__init__()
@@ -83,6 +86,7 @@ class LayerMixer(nn.Module):
         self.pre_conv = None
         if kind == "A":
             self.layer = Attention(w, h, h, w // h)
+            assert self.layer.q_norm is None and self.layer.rotary is None and not self.layer.output_gate
             if size.conv:  # the short conv of attention: residual, so the token itself passes through
                 self.pre_conv = nn.Parameter(torch.zeros(w, CONV))
                 _init_conv(self.pre_conv)
@@ -124,7 +128,24 @@ class LayerMixer(nn.Module):
         b, t, w = x.shape
         if self.pre_conv is not None:
             x = x + causal_conv1d(x, self.pre_conv)[0]  # [B, T, W]
+        if self.kind == "A" and self.batched_attention:
+            return self._attention(x)
         return self.layer(x.reshape(b * t, w), p.batch, self._cache(p, x)).view(b, t, w)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention layer's prefill on B sequences of equal length as one causal SDPA call, with
+        the layer's own weights. Its paged path runs one SDPA per sequence and scatters K/V into a
+        cache; an `AA` training step (width 64, 64 tokens, batch 64) took 0.28 s that way, 0.10 s
+        this way. Same numbers (tested); the recall model's attention has no q/k norm, rotary or
+        output gate."""
+        layer = self.layer
+        b, t, _ = x.shape
+        h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q = layer.q_proj(x).view(b, t, h, d).transpose(1, 2)  # [B, H, T, D]
+        k = layer.k_proj(x).view(b, t, hkv, d).transpose(1, 2)
+        v = layer.v_proj(x).view(b, t, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
+        return layer.o_proj(o.transpose(1, 2).reshape(b, t, h * d))
 
 
 class OpMixer(nn.Module):

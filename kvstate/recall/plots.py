@@ -44,6 +44,15 @@ def _log2_bytes(ax) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
+def _plain_ticks(ax, values: list[int]) -> None:
+    """Ticks at the swept values, written 4, 8, 16 (a log axis would write 4 x 10^0)."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    ax.xaxis.set_major_locator(FixedLocator(values))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _label(cfg: dict) -> str:
     return f"{cfg['layers']} w{cfg['width']}" + (f" k{cfg['key_dim']}" if cfg.get("key_dim") else "")
 
@@ -61,7 +70,10 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
         for label, pts in sorted(by_model.items()):
             pts.sort()
             ax.plot([p for p, _ in pts], [a for _, a in pts], "o-", label=label)
-        ax.set(xlabel="key-value pairs", ylabel="exact accuracy", ylim=(0, 1.02), xscale="log", title="recall vs pairs")
+        phonebook = all(r["config"].get("task") == "phonebook" for r in results)
+        ax.set(xlabel="phonebook entries" if phonebook else "key-value pairs", ylabel="exact accuracy",
+               ylim=(0, 1.02), xscale="log", title="recall vs " + ("entries" if phonebook else "pairs"))
+        _plain_ticks(ax, sorted({r["config"]["pairs"] for r in results}))
         ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "accuracy_vs_pairs.png"))

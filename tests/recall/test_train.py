@@ -60,6 +60,24 @@ def test_op_mixer_gradients_equal_naive_op(op, naive, extra):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_batched_attention_equals_the_layers_paged_path(heads):
+    """The recall model's attention runs B equal-length sequences as one SDPA call; it must give
+    the outputs and gradients of the attention layer's own paged prefill path."""
+    torch.manual_seed(0)
+    mixer = mixers.make_mixer("A", mixers.MixerSize(16, heads, 16 // heads))
+    x = torch.randn(3, 21, 16)
+    outs = []
+    for batched in (True, False):
+        mixer.batched_attention = batched
+        xi = x.clone().requires_grad_(True)
+        o = mixer(xi, mixers.Packed.of(3, 21))
+        grads = torch.autograd.grad((o * torch.linspace(-1, 1, 16)).sum(), [xi, *mixer.parameters()])
+        outs.append((o, *grads))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_short_mqar_run_learns():
     """Attention with its short conv learns MQAR far above chance (1 / 16 values) in 32 steps."""
     cfg = TrainConfig(layers="AA", epochs=4, lr=3e-3, **TINY)
