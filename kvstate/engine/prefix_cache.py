@@ -31,6 +31,7 @@ tokens served from the cache was LRU 0.55, Marconi 0.615, Marconi with this rule
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
@@ -170,10 +171,16 @@ class PrefixCache:
         self.stats.snapshots_evicted += 1
 
     def evict_one(self, *, needs_block: bool = False, keep: Snapshot | None = None) -> bool:
-        """Evict the least valuable snapshot but `keep` (one whose partial block only it holds, when
-        `needs_block`); False if there is none."""
-        cands = [s for s in self.snapshots.values() if s is not keep and (not needs_block or (
-                 s.partial_block is not None and self.blocks.ref_count(s.partial_block) == 1))]
+        """Evict the least valuable snapshot but `keep`; False if there is none. With `needs_block`,
+        only one whose partial block snapshots alone hold (not `keep`): snapshots taken inside one
+        block share it, so the block comes free when the last of them goes."""
+        if needs_block:
+            holders = Counter(s.partial_block for s in self.snapshots.values() if s.partial_block is not None)
+            kept = keep.partial_block if keep is not None else None
+            cands = [s for s in self.snapshots.values() if s is not keep and s.partial_block is not None
+                     and s.partial_block != kept and self.blocks.ref_count(s.partial_block) == holders[s.partial_block]]
+        else:
+            cands = [s for s in self.snapshots.values() if s is not keep]
         if not cands:
             return False
         self.drop(min(cands, key=self._scorer(cands)))
