@@ -3,8 +3,9 @@
 A step packs a batch of chats of different lengths into one varlen forward (no padding), with
 every sequence owning one contiguous KV block and one state slot (`contiguous_caches`), and
 takes the cross-entropy only at the assistant's reply tokens. The recipe is the one measured for
-tiny recall models: AdamW (peak lr 5e-3 with warm-up and cosine decay, weight decay 0.1 on
-matrices), gradient clipping at 1. Everything is seeded, so a run is repeatable.
+tiny recall models: AdamW (peak lr 3e-3 with warm-up and cosine decay, weight decay 0.1 on
+matrices), gradient clipping at 1; a copy stage first (`Curriculum`), then phone books that grow
+as the model answers, beside a quarter of copy chats. Everything is seeded, so a run is repeatable.
 
     model, plan = load_model(write_initial_checkpoint(cfg, tmp, seed=0))
     state = Trainer(model, TrainSettings(steps=400), tokenizer, seed=0)
@@ -27,17 +28,17 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 1800
+    steps: int = 4000
     batch: int = 16
-    lr: float = 5e-3
+    lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int = 30
     min_entries: int = 1
-    max_entries: int = 24
+    max_entries: int = 64
     turns: int = 10  # questions per phone book
-    copy_share: float = 0.2  # share of copy chats
-    copy_words: tuple[int, int] = (4, 32)
-    copy_first: int = 0  # at most this many steps of copy chats only at the start (first_copy_words words),
+    copy_share: float = 0.25  # share of copy chats (after the copy stage)
+    copy_words: tuple[int, int] = (2, 64)
+    copy_first: int = 2000  # at most this many steps of copy chats only at the start (first_copy_words words),
     copy_until: float = 0.5  # ending sooner once the running exact repeat rate passes this
     first_copy_words: tuple[int, int] = (2, 10)
     start_entries: int = 2  # the largest book at the start

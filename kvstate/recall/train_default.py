@@ -21,8 +21,8 @@ from kvstate.recall.shipped_training import TrainSettings
 
 # the shipped models: name -> layer string; everything else is shared
 LAYERS = {"kvstate-phonebook-hybrid": "GAGA", "kvstate-phonebook-linear": "GGGG"}
-EVAL_ENTRIES = (4, 8, 16, 32, 64)
-EVAL_COPY_WORDS = (16, 64)  # passage lengths of the copy check
+EVAL_ENTRIES = (1, 2, 4, 8, 16, 32, 64)
+EVAL_COPY_WORDS = (4, 16, 64)  # passage lengths of the copy check
 
 
 @dataclass(frozen=True)

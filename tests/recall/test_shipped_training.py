@@ -105,7 +105,7 @@ def test_exact_answer_scoring_equals_greedy_decoding(tmp_path, tok):
 def test_training_loss_drops(tmp_path, tok):
     torch.manual_seed(0)
     model, _ = tiny_model(tmp_path, tok, "GA")
-    trainer = Trainer(model, TrainSettings(steps=40, batch=8, max_entries=3, turns=3, copy_share=0.0, warmup=5),
+    trainer = Trainer(model, TrainSettings(steps=40, batch=8, max_entries=3, turns=3, copy_share=0.0, copy_first=0, warmup=5),
                       tok, seed=0)
     losses = [trainer.step()[0] for _ in range(40)]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
@@ -156,7 +156,7 @@ def test_copy_stage_samples_short_copy_chats_until_the_model_repeats_them():
     assert 10 <= steps <= 30 and c.top == 2  # a running rate over about 20 steps; books untouched
     capped = Curriculum(s)
     assert capped.copy_stage(99) and not capped.copy_stage(100)  # at most copy_first steps
-    assert not Curriculum(TrainSettings()).copy_stage(0)  # no copy stage by default
+    assert not Curriculum(TrainSettings(copy_first=0)).copy_stage(0)  # no copy stage
 
 
 def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path):
@@ -165,8 +165,8 @@ def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path
 
     recipe = DefaultRecipe(size=TINY, train=FAST, seed=1)
     acc = train_default(tmp_path / "a", recipe, names=("kvstate-phonebook-linear",))
-    assert set(acc["kvstate-phonebook-linear"]["phonebook"]) == {4, 8, 16, 32, 64}
-    assert set(acc["kvstate-phonebook-linear"]["copy"]) == {16, 64}
+    assert set(acc["kvstate-phonebook-linear"]["phonebook"]) == {1, 2, 4, 8, 16, 32, 64}
+    assert set(acc["kvstate-phonebook-linear"]["copy"]) == {4, 16, 64}
     train_default(tmp_path / "b", recipe, names=("kvstate-phonebook-linear",))
     a, b = (load_file(tmp_path / d / "kvstate-phonebook-linear" / "model.safetensors") for d in "ab")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # seeded: the same weights
@@ -194,7 +194,7 @@ def test_train_default_cli_reports_phonebook_and_copy_accuracy(tmp_path):
            "--out", str(tmp_path)]
     out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
     result = json.loads(out)["kvstate-phonebook-linear"]
-    assert set(result["phonebook"]) == {"4", "8", "16", "32", "64"} and set(result["copy"]) == {"16", "64"}
+    assert set(result["phonebook"]) == {"1", "2", "4", "8", "16", "32", "64"} and set(result["copy"]) == {"4", "16", "64"}
     assert all(0.0 <= a <= 1.0 for part in result.values() for a in part.values())
     assert (tmp_path / "kvstate-phonebook-linear" / "model.safetensors").is_file()
 
