@@ -103,7 +103,15 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     silence_expected_warnings()
     console = make_console(stderr=args.json)
-    ks = [int(k) for k in (args.ks or ("2,4" if args.quick else "2,4,8")).split(",")]
+    text = args.ks or ("2,4" if args.quick else "2,4,8")
+    try:
+        ks = [int(k) for k in text.split(",")]
+    except ValueError:
+        ks = []
+    if not ks or min(ks) < 1:
+        from kvstate.errors import KvstateError
+
+        raise KvstateError(f"--ks: expected comma-separated positive drafted-token counts, got {text!r}")
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (16 if args.quick else 64)
     methods = args.methods.split(",")

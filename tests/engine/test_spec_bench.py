@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvstate.cli import main
 
 
@@ -31,3 +33,10 @@ def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
     finally:
         llm.close()
     assert text.startswith("<|im_start|>user\nRepeat this:\n") and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("ks", ["x", "0", "2,,4"])
+def test_bench_spec_bad_ks_is_one_line(capsys, ks):
+    assert main(["bench", "spec", "--quick", "--ks", ks]) == 2
+    err = capsys.readouterr().err
+    assert "--ks" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
