@@ -72,7 +72,7 @@ class Attention(nn.Module):
             q, k = self.rotary(q, k, batch.positions)
         write_kv(cache.k, k, batch.kv_indices)
         write_kv(cache.v, v, batch.kv_indices)
-        o = paged_attention(q, cache.k, cache.v, batch, scale=self.scale).reshape(t, -1)
+        o = paged_attention(q, cache.k, cache.v, batch, scale=self.scale, fresh=(k, v)).reshape(t, -1)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)
