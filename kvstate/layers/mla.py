@@ -16,11 +16,10 @@ Two exact forms of the same attention:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvstate.layers.norm import RMSNorm
-from kvstate.ops.attention import gather_kv, paged_attention, write_kv
+from kvstate.ops.attention import gather_kv, paged_attention, sdpa_one, write_kv
 
 LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm with the default eps, not rms_norm_eps
 
@@ -92,10 +91,10 @@ class MLA(nn.Module):
             qi = q[cu[i] : cu[i + 1]].transpose(0, 1)  # [H, q_len, nope + rope]
             ctx = kv_len - q_len
             if ctx == 0:
-                o = F.scaled_dot_product_attention(qi, k, v.transpose(0, 1), is_causal=q_len > 1, scale=self.scale)
+                o = sdpa_one(qi, k, v.transpose(0, 1), self.scale, causal=True)
             else:
                 pos = torch.arange(kv_len, device=q.device)
                 allowed = pos[None, :] <= pos[ctx:, None]  # [q_len, kv_len]: query t sees keys 0..ctx+t
-                o = F.scaled_dot_product_attention(qi, k, v.transpose(0, 1), attn_mask=allowed, scale=self.scale)
+                o = sdpa_one(qi, k, v.transpose(0, 1), self.scale, mask=allowed)
             out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
         return out

@@ -54,11 +54,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[cu[i] : cu[i + 1]] = _one_query(qi, k, v, scale).transpose(0, 1)
             continue
         if ctx == 0:
-            o = _sdpa(qi, k, v, scale, causal=True)
+            o = sdpa_one(qi, k, v, scale, causal=True)
         else:
             pos = torch.arange(kv_len, device=q.device)
             allowed = pos[None, :] <= pos[ctx:, None]  # [q_len, kv_len]: query t sees keys 0..ctx+t
-            o = _sdpa(qi, k, v, scale, mask=allowed)
+            o = sdpa_one(qi, k, v, scale, mask=allowed)
         out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
     return out
 
@@ -74,19 +74,28 @@ def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: floa
     k [T, Hkv, D], v [T, Hkv, Dv] (split, not sliced: in training, the backward of a slice fills a
     full-size gradient per sequence, and reading K/V back from the pool slices it too)."""
     lens = batch.query_lens
-    outs = [_sdpa(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale, causal=True).transpose(0, 1)
+    outs = [sdpa_one(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), scale, causal=True).transpose(0, 1)
             if qi.shape[0] else qi.new_empty(0, qi.shape[1], vi.shape[-1])
             for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens))]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-          mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of one sequence: q [H, Lq, D], k [Hkv, L, D], v [Hkv, L, Dv] -> [H, Lq, Dv]. Called with a
-    batch dimension: on CPU, 3-D inputs take the math path, which materialises every [Lq, L] score
-    matrix (5.4 GB for one 8K-token prompt with 8 heads, against 0.3 GB) and runs 2.5x slower."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=True)[0]
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of one sequence: q [H, Lq, D], k [Hkv, L, D], v [Hkv, L, Dv] -> [H, Lq, Dv]. On CPU the
+    flash path streams the scores in blocks; it needs 4-D inputs and one head dim for q, k and v,
+    else SDPA takes the math path, which materialises every [Lq, L] score matrix (5.4 GB for one
+    8K-token prompt with 8 heads, against 0.3 GB) and runs 2.5x slower. So the inputs get a batch
+    dimension, and the narrower of the two head dims is zero-padded (MLA: Dk = nope + rope, Dv):
+    zero columns add nothing to q.k or to the output columns kept."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv < dk:
+        v = F.pad(v, (0, dk - dv))
+    elif dk < dv:
+        q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
+                                       enable_gqa=True)[0]
+    return o if o.shape[-1] == dv else o[..., :dv]
 
 
 def _one_query(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
