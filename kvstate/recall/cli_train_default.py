@@ -20,21 +20,28 @@ from pathlib import Path
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="write <DIR>/<name>/ (default: the package's kvstate/data/models)")
-    parser.add_argument("--steps", type=int, default=None, help="optimiser steps per model (default: the recipe's)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimiser steps per model after the copy stage (default: the recipe's)")
+    parser.add_argument("--copy-steps", type=int, default=None,
+                        help="a copy stage of at most N steps of short passages, then at most N of long ones "
+                             "(default: the recipe's, 3000 and 600; 0: no copy stage)")
     parser.add_argument("--only", choices=("hybrid", "linear"), default=None, help="train one of the two models")
+    parser.add_argument("--layers", metavar="STRING", default=None,
+                        help="train one model of this layer string instead (G: Gated DeltaNet, A: attention; "
+                             "e.g. AAAA), with the same recipe, into <out>/phonebook-<STRING>; needs --out")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
     parser.add_argument("--json", action="store_true", help="print the accuracies as JSON (no progress bar)")
 
 
-def _worker(name: str, recipe, out: str, queue) -> None:
+def _worker(name: str, recipe, out: str, queue, layers: dict | None = None) -> None:
     import torch
 
     from kvstate.recall.train_default import train_default
 
     torch.set_num_threads(1)
     try:
-        results = train_default(Path(out), recipe, names=(name,),
-                                on_step=lambda n, i, loss, acc: queue.put(("step", n, i, loss, acc)))
+        results = train_default(Path(out), recipe, names=(name,), layers=layers,
+                                on_step=lambda n, i, loss, acc, total: queue.put(("step", n, i, loss, acc, total)))
         queue.put(("done", name, results[name]))
     except BaseException as exc:  # reported by the parent as one line
         queue.put(("error", name, f"{type(exc).__name__}: {exc}"))
@@ -53,16 +60,29 @@ def run(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise KvstateError(f"--steps: must be positive, got {args.steps}")
         recipe = replace(recipe, train=replace(recipe.train, steps=args.steps))
+    if args.copy_steps is not None:
+        if args.copy_steps < 0:
+            raise KvstateError(f"--copy-steps: must be 0 or more, got {args.copy_steps}")
+        recipe = replace(recipe, train=replace(recipe.train, copy_first=args.copy_steps,
+                                               copy_long=min(recipe.train.copy_long, args.copy_steps)))
     names = [n for n in LAYERS if args.only is None or n.endswith(args.only)]
+    extra = None
+    if args.layers is not None:
+        if not args.layers or set(args.layers) - set("GA") or len(args.layers) > 16:
+            raise KvstateError(f"--layers: 1 to 16 letters G (Gated DeltaNet) or A (attention), got {args.layers!r}")
+        if args.out is None or args.only is not None:
+            raise KvstateError("--layers trains a model that is not shipped: give --out DIR (and no --only)")
+        names, extra = [f"phonebook-{args.layers}"], {f"phonebook-{args.layers}": args.layers}
     out = Path(args.out) if args.out else models_dir()
     console = make_console()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(n, recipe, str(out), queue), daemon=True) for n in names]
+    procs = [ctx.Process(target=_worker, args=(n, recipe, str(out), queue, extra), daemon=True) for n in names]
     for p in procs:
         p.start()
     results, errors = {}, {}
-    with _progress(console, names, recipe.train.steps, enabled=not args.json) as update:
+    total = recipe.train.copy_first + recipe.train.copy_long + recipe.train.steps  # until the copy stage ends
+    with _progress(console, names, total, enabled=not args.json) as update:
         while len(results) + len(errors) < len(names):
             msg = queue.get()
             if msg[0] == "step":
@@ -94,9 +114,9 @@ def _progress(console, names, steps, *, enabled: bool):
             yield lambda *a: None
             return
         if not console.is_terminal:  # a log file: one line per model every 25 steps instead of a bar
-            def line(name, i, loss, acc):
-                if (i + 1) % 25 == 0 or i + 1 == steps:
-                    console.print(f"{name} step {i + 1}/{steps} loss {loss:.3f} acc {acc:.2f}")
+            def line(name, i, loss, acc, total):
+                if (i + 1) % 25 == 0 or i + 1 == total:
+                    console.print(f"{name} step {i + 1}/{total} loss {loss:.3f} acc {acc:.2f}")
             yield line
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -106,9 +126,9 @@ def _progress(console, names, steps, *, enabled: bool):
                       console=console) as progress:
             tasks = {n: progress.add_task(n, total=steps, loss=float("nan"), acc=0.0) for n in names}
 
-            def update(name, i, loss, acc):
+            def update(name, i, loss, acc, total):
                 acc = acc if acc == acc else progress.tasks[tasks[name]].fields["acc"]  # nan: no phonebook in batch
-                progress.update(tasks[name], completed=i + 1, loss=loss, acc=acc)
+                progress.update(tasks[name], completed=i + 1, total=total, loss=loss, acc=acc)
 
             yield update
 

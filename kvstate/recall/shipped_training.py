@@ -3,13 +3,16 @@
 A step packs a batch of chats of different lengths into one varlen forward (no padding), with
 every sequence owning one contiguous KV block and one state slot (`contiguous_caches`), and
 takes the cross-entropy only at the assistant's reply tokens. The recipe is the one measured for
-tiny recall models: AdamW (peak lr 3e-3 with warm-up and cosine decay, weight decay 0.1 on
-matrices), gradient clipping at 1; a copy stage first (`Curriculum`), then phone books that grow
-as the model answers, beside a quarter of copy chats. Everything is seeded, so a run is repeatable.
+tiny recall models: AdamW (weight decay 0.1 on matrices), gradient clipping at 1; a copy stage
+first at a constant lr of 5e-3 (`Curriculum`: short passages until the model repeats them, after a
+plateau whose length varies from run to run, then long ones), then a fixed number of steps of phone books that
+grow as the model answers, beside a quarter of copy chats, with the lr on a cosine from 3e-3. So
+the costly steps (long books) are a fixed number whatever the plateau, and so is the time they
+take. Everything is seeded, so a run is repeatable.
 
     model, plan = load_model(write_initial_checkpoint(cfg, tmp, seed=0))
     state = Trainer(model, TrainSettings(steps=400), tokenizer, seed=0)
-    for _ in range(400): loss, acc = state.step()
+    while not state.finished: loss, acc = state.step()
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from kvstate.recall.chat_data import Chat, copy_chat, encode_chat, phonebook_cha
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 4000
+    steps: int = 2700  # steps after the copy stage: books and copy chats, lr on a cosine from `lr`
     batch: int = 16
     lr: float = 3e-3
+    copy_lr: float = 5e-3  # the copy stage's lr (constant after the warm-up)
     weight_decay: float = 0.1
     warmup: int = 30
     min_entries: int = 1
@@ -38,17 +42,23 @@ class TrainSettings:
     turns: int = 10  # questions per phone book
     copy_share: float = 0.25  # share of copy chats (after the copy stage)
     copy_words: tuple[int, int] = (2, 64)
-    copy_first: int = 2000  # at most this many steps of copy chats only at the start (first_copy_words words),
+    copy_first: int = 3000  # at most this many steps of copy chats only at the start (first_copy_words words),
     copy_until: float = 0.5  # ending sooner once the running exact repeat rate passes this
+    copy_long: int = 600  # then this many steps of copy chats of copy_words words only (cheap: no books)
     first_copy_words: tuple[int, int] = (2, 10)
     start_entries: int = 2  # the largest book at the start
     grow_at: float = 0.5  # the largest book grows 1.5x each time the running exact accuracy passes this
 
 
-def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, top: int, *, copy_stage: bool = False) -> list[Chat]:
-    """`n` chats: in the copy stage only copy chats of `first_copy_words` words; otherwise a
-    `copy_share` of copy chats and the rest phone books of min_entries to `top` entries."""
-    share, (lo, hi) = (1.0, s.first_copy_words) if copy_stage else (s.copy_share, s.copy_words)
+def sample_chats(rng: np.random.Generator, s: TrainSettings, n: int, top: int, *, copy_stage: bool = False,
+                 long_copies: bool = False) -> list[Chat]:
+    """`n` chats: in the copy stage only copy chats, of `first_copy_words` words (`long_copies`: of
+    `copy_words`); otherwise a `copy_share` of copy chats of `copy_words` and the rest phone books
+    of min_entries to `top` entries."""
+    if copy_stage:
+        share, (lo, hi) = 1.0, s.copy_words if long_copies else s.first_copy_words
+    else:
+        share, (lo, hi) = s.copy_share, s.copy_words
     chats = []
     for _ in range(n):
         if rng.random() < share:
@@ -144,19 +154,47 @@ class Trainer:
                                       {"params": rest, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
         self.done = 0
         self.curriculum = Curriculum(settings)
+        self.short_end: int | None = None  # the step the short passages ended at
+        self.copy_end: int | None = None  # the step the copy stage ended at
         model.train()
 
+    def in_copy_stage(self) -> bool:
+        """Whether the next step is a copy-stage step: short passages until the model repeats them
+        (at most `copy_first` steps), then `copy_long` steps of passages of `copy_words` words.
+        The ends are recorded when first seen."""
+        if self.copy_end is None:
+            if self.short_end is None and not self.curriculum.copy_stage(self.done):
+                self.short_end = self.done
+            if self.short_end is not None and self.done >= self.short_end + self.s.copy_long:
+                self.copy_end = self.done
+        return self.copy_end is None
+
+    @property
+    def total_steps(self) -> int:
+        """All the run's steps: the copy stage's (at most copy_first + copy_long while it lasts) and
+        `steps` after it."""
+        if not self.in_copy_stage():
+            return self.copy_end + self.s.steps
+        return (self.s.copy_first if self.short_end is None else self.short_end) + self.s.copy_long + self.s.steps
+
+    @property
+    def finished(self) -> bool:
+        return not self.in_copy_stage() and self.done - self.copy_end >= self.s.steps
+
     def lr_at(self, step: int) -> float:
+        """`copy_lr` in the copy stage; after it, a cosine over `steps` from `lr` down to lr / 10;
+        a linear warm-up over the run's first `warmup` steps."""
         s = self.s
-        if step < s.warmup:
-            return s.lr * (step + 1) / s.warmup
-        frac = (step - s.warmup) / max(1, s.steps - s.warmup)
-        return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+        warm = min(1.0, (step + 1) / s.warmup)
+        if self.in_copy_stage():
+            return s.copy_lr * warm
+        frac = (step - self.copy_end) / max(1, s.steps)
+        return s.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def step(self) -> tuple[float, float]:
         """One optimiser step on a fresh batch -> (loss, share of phonebook first answers exactly right)."""
-        chats = sample_chats(self.rng, self.s, self.s.batch, self.curriculum.top,
-                             copy_stage=self.curriculum.copy_stage(self.done))
+        chats = sample_chats(self.rng, self.s, self.s.batch, self.curriculum.top, copy_stage=self.in_copy_stage(),
+                             long_copies=self.short_end is not None)
         encoded = [encode_chat(self.tok, c) for c in chats]
         targets, owner = targets_of(encoded)
         rows = (targets != -100).nonzero().flatten()

@@ -63,9 +63,10 @@ def write_tokenizer(tokenizer, path: Path) -> None:
 
 
 def train_one(layers: str, recipe: DefaultRecipe, out: Path, *,
-              on_step: Callable[[int, float, float], None] | None = None) -> dict[str, dict[int, float]]:
+              on_step: Callable[[int, float, float, int], None] | None = None) -> dict[str, dict[int, float]]:
     """Train one model and save it into `out`; -> {"phonebook": accuracy at each of EVAL_ENTRIES,
-    "copy": exact repeats at each of EVAL_COPY_WORDS}."""
+    "copy": exact repeats at each of EVAL_COPY_WORDS}. `on_step(step, loss, accuracy, total steps)`
+    after each step (the total shrinks when the copy stage ends early)."""
     import torch
 
     from kvstate.models.loader import load_model
@@ -80,10 +81,10 @@ def train_one(layers: str, recipe: DefaultRecipe, out: Path, *,
         model, plan = load_model(write_initial_checkpoint(cfg, tmp, seed=recipe.seed))
     torch.manual_seed(recipe.seed)
     trainer = Trainer(model, recipe.train, tokenizer, seed=recipe.seed)
-    for i in range(recipe.train.steps):
+    while not trainer.finished:
         loss, acc = trainer.step()
         if on_step is not None:
-            on_step(i, loss, acc)
+            on_step(trainer.done - 1, loss, acc, trainer.total_steps)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, plan, out)
@@ -93,10 +94,13 @@ def train_one(layers: str, recipe: DefaultRecipe, out: Path, *,
 
 
 def train_default(out_dir: Path, recipe: DefaultRecipe = DefaultRecipe(), *, names=tuple(LAYERS),
-                  on_step: Callable[[str, int, float, float], None] | None = None) -> dict[str, dict]:
-    """Train each named shipped model into `out_dir/<name>`; -> name -> `train_one`'s accuracies."""
+                  on_step: Callable[[str, int, float, float, int], None] | None = None,
+                  layers: dict[str, str] | None = None) -> dict[str, dict]:
+    """Train each named model into `out_dir/<name>`; -> name -> `train_one`'s accuracies. A name is a
+    shipped model's, or one of `layers` (name -> layer string: the same recipe with another mix)."""
+    table = {**LAYERS, **(layers or {})}
     results = {}
     for name in names:
-        step = None if on_step is None else (lambda i, loss, acc, name=name: on_step(name, i, loss, acc))
-        results[name] = train_one(LAYERS[name], recipe, Path(out_dir) / name, on_step=step)
+        step = None if on_step is None else (lambda i, loss, acc, total, name=name: on_step(name, i, loss, acc, total))
+        results[name] = train_one(table[name], recipe, Path(out_dir) / name, on_step=step)
     return results

@@ -23,7 +23,8 @@ from kvstate.recall.train_default import DefaultRecipe, ModelSize, train_default
 
 TINY = ModelSize(hidden_size=32, intermediate_size=48, heads=2, kv_heads=1, head_dim=16, linear_heads=2,
                  linear_head_dim=16)
-FAST = TrainSettings(steps=3, batch=4, max_entries=4, turns=2, copy_words=(4, 8), warmup=1)
+FAST = TrainSettings(steps=3, batch=4, max_entries=4, turns=2, copy_words=(4, 8), warmup=1, copy_first=2,
+                     copy_long=1)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,9 @@ def test_exact_answer_scoring_equals_greedy_decoding(tmp_path, tok):
 def test_training_loss_drops(tmp_path, tok):
     torch.manual_seed(0)
     model, _ = tiny_model(tmp_path, tok, "GA")
-    trainer = Trainer(model, TrainSettings(steps=40, batch=8, max_entries=3, turns=3, copy_share=0.0, copy_first=0, warmup=5),
-                      tok, seed=0)
+    settings = TrainSettings(steps=40, batch=8, max_entries=3, turns=3, copy_share=0.0, copy_first=0, copy_long=0,
+                             warmup=5)
+    trainer = Trainer(model, settings, tok, seed=0)
     losses = [trainer.step()[0] for _ in range(40)]
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:3]), losses
 
@@ -140,6 +142,8 @@ def test_copy_stage_samples_short_copy_chats_until_the_model_repeats_them():
     rng = np.random.default_rng(0)
     chats = sample_chats(rng, s, 64, 4, copy_stage=True)
     assert {c.kind for c in chats} == {"copy"} and all(2 <= len(c.answers[0].split()) <= 5 for c in chats)
+    long = sample_chats(rng, s, 64, 4, copy_stage=True, long_copies=True)
+    assert {c.kind for c in long} == {"copy"} and all(30 <= len(c.answers[0].split()) <= 40 for c in long)
     later = sample_chats(rng, s, 400, 4)
     copies = [c for c in later if c.kind == "copy"]
     assert 0.15 < len(copies) / len(later) < 0.35 and any(c.kind == "phonebook" for c in later)
@@ -157,6 +161,45 @@ def test_copy_stage_samples_short_copy_chats_until_the_model_repeats_them():
     capped = Curriculum(s)
     assert capped.copy_stage(99) and not capped.copy_stage(100)  # at most copy_first steps
     assert not Curriculum(TrainSettings(copy_first=0)).copy_stage(0)  # no copy stage
+
+
+def test_copy_stage_then_a_fixed_number_of_steps_on_their_own_lr_schedule(tmp_path, tok, monkeypatch):
+    """The copy stage runs at copy_lr: short passages until the model repeats them (at most
+    copy_first steps), then copy_long steps of long ones; then exactly `steps` more on a cosine from
+    lr to lr / 10, whenever the stage ended."""
+    import math
+
+    model, _ = tiny_model(tmp_path, tok, "GA")
+    s = TrainSettings(steps=4, copy_first=50, copy_long=2, batch=2, max_entries=3, turns=1, warmup=2, lr=1e-3,
+                      copy_lr=4e-3, first_copy_words=(2, 3), copy_words=(20, 21))
+    trainer = Trainer(model, s, tok, seed=0)
+    assert trainer.total_steps == 56 and not trainer.finished
+    lrs = []
+    for _ in range(3):
+        trainer.step()
+        lrs.append(trainer.opt.param_groups[0]["lr"])
+    assert lrs == [2e-3, 4e-3, 4e-3]  # warm-up, then constant
+    trainer.curriculum.copied = True  # as if the running repeat rate had passed copy_until
+    assert trainer.total_steps == 3 + 2 + 4 and trainer.in_copy_stage()
+    from kvstate.recall import shipped_training
+
+    seen, sample = [], shipped_training.sample_chats
+    monkeypatch.setattr(shipped_training, "sample_chats", lambda *a, **k: seen.append(k) or sample(*a, **k))
+    while not trainer.finished:
+        trainer.step()
+        lrs.append(trainer.opt.param_groups[0]["lr"])
+    assert [k["copy_stage"] for k in seen] == [True, True, False, False, False, False]
+    assert all(k["long_copies"] for k in seen[:2])
+    assert trainer.done == 9 and (trainer.short_end, trainer.copy_end) == (3, 5)
+    cosine = [1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * i / 4))) for i in range(4)]
+    assert lrs[3:] == pytest.approx([4e-3, 4e-3] + cosine)
+    never = Trainer(model, TrainSettings(steps=2, copy_first=3, copy_long=1, batch=2, max_entries=2, turns=1), tok,
+                    seed=0)
+    while not never.finished:
+        never.step()
+    assert never.done == 6 and never.copy_end == 4  # a stage that never ends is cut at copy_first
+    none = Trainer(model, TrainSettings(steps=2, copy_first=0, copy_long=0), tok, seed=0)
+    assert none.total_steps == 2 and not none.in_copy_stage()
 
 
 def test_train_default_writes_repeatable_checkpoints_transformers_loads(tmp_path):
@@ -190,8 +233,8 @@ def test_train_default_cli_reports_phonebook_and_copy_accuracy(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "kvstate", "recall", "train-default", "--steps", "2", "--only", "linear",
-           "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "kvstate", "recall", "train-default", "--steps", "2", "--copy-steps", "1",
+           "--only", "linear", "--out", str(tmp_path)]
     out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
     result = json.loads(out)["kvstate-phonebook-linear"]
     assert set(result["phonebook"]) == {"1", "2", "4", "8", "16", "32", "64"} and set(result["copy"]) == {"4", "16", "64"}
@@ -207,3 +250,20 @@ def test_train_default_cli_reports_phonebook_and_copy_accuracy(tmp_path):
     text = console.export_text()
     assert "phonebook accuracy (exact answer)" in text and "copy accuracy (exact repeat)" in text  # (titles wrap)
     assert "4 entries" in text and "64 words" in text and "75%" in text and "25%" in text
+
+
+def test_train_default_trains_another_layer_mix_with_the_same_recipe(tmp_path):
+    """`--layers AG`: one model of that mix into <out>/phonebook-AG; a bad string or no --out is one line."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "kvstate", "recall", "train-default", "--steps", "1", "--copy-steps", "1"]
+    out = subprocess.run([*base, "--layers", "AG", "--out", str(tmp_path), "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    assert list(json.loads(out)) == ["phonebook-AG"]
+    _, plan = load_model(tmp_path / "phonebook-AG")
+    assert plan.layer_string == "AG"
+    for bad in (["--layers", "AXG", "--out", str(tmp_path)], ["--layers", "AA"]):
+        run = subprocess.run([*base, *bad], capture_output=True, text=True)
+        assert run.returncode != 0 and "Traceback" not in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1 and "--layers" in run.stderr, run.stderr
