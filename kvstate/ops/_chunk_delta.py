@@ -63,18 +63,24 @@ class Carry:
         self.cur = init[: self.m0]  # grad mode: states of the ranks still running
         self.finished: list[torch.Tensor] = []
 
-    def run(self, s0: int, steps, step) -> None:
-        """Run one block's steps: step(r, m, state [m, HV, K, V]) handles block rows r..r+m.
+    def run(self, s0: int, steps, step, *rows: torch.Tensor | None) -> None:
+        """Run one block's steps: step(r, m, state [m, HV, K, V], *pieces) handles block rows r..r+m,
+        `pieces` being each step's rows of the block tensors `rows` ([n, ...], or None). They are
+        split once: under autograd the backward of a split is one concatenation, where a slice per
+        step and tensor would fill a block-size gradient each.
 
         In inference mode `step` updates `state` in place; in grad mode it returns the new state.
         """
-        for off, m, m_next in steps:
+        sizes = [m for _, m, _ in steps]
+        pieces = [[None] * len(sizes) if x is None else x.split(sizes) for x in rows]
+        for j, (off, m, m_next) in enumerate(steps):
+            args = [p[j] for p in pieces]
             if self.grad:
-                new = step(off - s0, m, self.cur)
+                new = step(off - s0, m, self.cur, *args)
                 self.finished.append(new[m_next:])
                 self.cur = new[:m_next]
             else:
-                step(off - s0, m, self.buf[:m])
+                step(off - s0, m, self.buf[:m], *args)
 
     def final(self) -> torch.Tensor:
         """Final states in rank order."""

@@ -73,38 +73,31 @@ def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2:
             attn = (qk * flat.scale) * gam
             qd = qc.unsqueeze(2) * (eb * flat.scale).unsqueeze(-1)  # [n, H, G, C, K]
             kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
-            dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
+            dec = eb[..., -1].reshape(n, hv, 1, 1)  # decay over the whole chunk
         u = tv @ vc  # [n, H, G, C, V]
         # w = (I + L)^-1 diag(beta e^b) K; stacked over q so that one matmul per chunk reads the state
         w = (tk.reshape(n * h, grp * c, c) @ kc.view(n * h, c, dk)).view(n, h, grp, c, dk)  # k shared by the group
         wq = torch.cat([w, qd], dim=-2)  # [n, H, G, 2C, K]
 
-        # each step's rows of the block's tensors, split once: under autograd the backward of a
-        # split is one concatenation, while each of ~5 slices per step would fill a block-size gradient
-        sizes = [m for _, m, _ in steps]
-        first = {off - s0: j for j, (off, _, _) in enumerate(steps)}
-        per_step = [x.split(sizes) for x in (wq, u, kd, attn)]
-        dec_step = None if dec is None else dec.split([m * hv for m in sizes])
-
-        def step(r, m, state):
-            j = first[r]
-            mats = lambda i, d, rr=c: per_step[i][j].reshape(m * hv, rr, d)  # noqa: E731  [m HV, rr, d] per head
+        def step(r, m, state, wq, u, kd, attn, dec):  # this step's rows of the block tensors
+            mat = lambda x, d, rr=c: x.reshape(m * hv, rr, d)  # noqa: E731  [m HV, rr, d] per head
             s = state.view(m * hv, dk, dv)
-            ws = torch.bmm(mats(0, dk, 2 * c), s)  # [m HV, 2C, V]: w S and q S
-            vn = mats(1, dv) - ws[:, :c]  # u - w S: the deltas written
-            kd_t = mats(2, dk).transpose(1, 2)
+            ws = torch.bmm(mat(wq, dk, 2 * c), s)  # [m HV, 2C, V]: w S and q S
+            vn = mat(u, dv) - ws[:, :c]  # u - w S: the deltas written
+            kd_t = mat(kd, dk).transpose(1, 2)
+            dec = None if dec is None else dec.reshape(m * hv, 1, 1)
             if grad:  # autograd: out-of-place
-                out.put(s0 + r, torch.baddbmm(ws[:, c:], mats(3, c), vn).view(m, hv, c, dv))
-                s_dec = s if dec is None else s * dec_step[j]
+                out.put(s0 + r, torch.baddbmm(ws[:, c:], mat(attn, c), vn).view(m, hv, c, dv))
+                s_dec = s if dec is None else s * dec
                 return torch.baddbmm(s_dec, kd_t, vn).view(m, hv, dk, dv)
             target = out.target(s0 + r, m)
             # inter-chunk (the state entering the chunk, read by q) plus intra-chunk
-            o = torch.baddbmm(ws[:, c:], mats(3, c), vn, **({} if target is None else {"out": target}))
+            o = torch.baddbmm(ws[:, c:], mat(attn, c), vn, **({} if target is None else {"out": target}))
             if target is None:
                 out.put(s0 + r, o.view(m, hv, c, dv))
             if dec is not None:
-                s.mul_(dec_step[j])
+                s.mul_(dec)
             s.baddbmm_(kd_t, vn)
 
-        scan.carry.run(s0, steps, step)
+        scan.carry.run(s0, steps, step, wq, u, kd, attn, dec)
     return scan.result(output_final_state)

@@ -54,24 +54,24 @@ def chunk_gla(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: b
             attn = (qk * flat.scale) * decay_mask(b)  # [n, H, G, C, C]
             qd = qc.unsqueeze(2) * (eb * flat.scale).unsqueeze(-1)  # [n, H, G, C, K]
             kd = kc.unsqueeze(2) * (b[..., -1:] - b).exp().unsqueeze(-1)  # keys decayed to the chunk end
-            dec = eb[..., -1].reshape(n * hv, 1, 1)  # decay over the whole chunk
+            dec = eb[..., -1].reshape(n, hv, 1, 1)  # decay over the whole chunk
 
-        def step(r, m, state):
-            rows, hr = slice(r, r + m), slice(r * hv, (r + m) * hv)
-            mats = lambda x, d: x[rows].reshape(m * hv, c, d)  # noqa: E731  [m HV, C, d] per-head matrices
+        def step(r, m, state, qd, kd, vc, attn, dec):  # this step's rows of the block tensors
+            mat = lambda x, d: x.reshape(m * hv, c, d)  # noqa: E731  [m HV, C, d] per-head matrices
             s = state.view(m * hv, dk, dv)
-            vr, kd_t = mats(vc, dv), mats(kd, dk).transpose(1, 2)
+            vr, kd_t = mat(vc, dv), mat(kd, dk).transpose(1, 2)
+            dec = None if dec is None else dec.reshape(m * hv, 1, 1)
             target = out.target(s0 + r, m)
             # inter-chunk (the state entering the chunk, read by q), then intra-chunk
-            o = torch.bmm(mats(qd, dk), s) if target is None else torch.bmm(mats(qd, dk), s, out=target)
-            o = torch.baddbmm(o, mats(attn, c), vr) if grad else o.baddbmm_(mats(attn, c), vr)
+            o = torch.bmm(mat(qd, dk), s) if target is None else torch.bmm(mat(qd, dk), s, out=target)
+            o = torch.baddbmm(o, mat(attn, c), vr) if grad else o.baddbmm_(mat(attn, c), vr)
             if target is None:
                 out.put(s0 + r, o.view(m, hv, c, dv))
             if grad:  # S_C = e^{b_C} S0 + (K o e^{b_C - b})^T V, out-of-place
-                return torch.baddbmm(s if dec is None else s * dec[hr], kd_t, vr).view(m, hv, dk, dv)
+                return torch.baddbmm(s if dec is None else s * dec, kd_t, vr).view(m, hv, dk, dv)
             if dec is not None:
-                s.mul_(dec[hr])
+                s.mul_(dec)
             s.baddbmm_(kd_t, vr)
 
-        scan.carry.run(s0, steps, step)
+        scan.carry.run(s0, steps, step, qd, kd, vc, attn, dec)
     return scan.result(output_final_state)
