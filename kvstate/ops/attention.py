@@ -65,8 +65,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _all_fresh(batch, fresh, k_cache: torch.Tensor) -> bool:
     """No sequence has cached context, and the pool keeps K/V at the step's precision."""
-    return (fresh is not None and fresh[0].dtype == k_cache.dtype and not batch.decode_only
-            and all(kv == q for q, kv in zip(batch.query_lens, batch.kv_lens)))
+    return fresh is not None and fresh[0].dtype == k_cache.dtype and not any(batch.context_lens)
 
 
 def _fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, scale: float) -> torch.Tensor:

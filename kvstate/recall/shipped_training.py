@@ -78,19 +78,32 @@ class Curriculum:
     by 1.5x (at least one entry) each time the running exact accuracy (an average over about the
     last 20 steps) passes `grow_at`, up to max_entries.
 
-    Before the books, an optional copy stage (`copy_first` steps at most): copy chats only, of a
-    few words, until the running exact repeat rate passes `copy_until`. Both skills rest on the
-    same induction head (find where the text just written occurred and continue it); a tiny `GAGA`
-    forms it on short passages alone after a plateau of 500-1,000 steps, and on the mix of books
-    and long passages not in the same budget."""
+    Before the books, an optional copy stage: copy chats only, of a few words, until the running
+    exact repeat rate passes `copy_until` (`copy_first` steps at most), then `copy_long` steps of
+    passages of `copy_words` words. Both skills rest on the same induction head (find where the
+    text just written occurred and continue it); a tiny `GAGA` forms it on short passages alone
+    after a plateau of 500-2,500 steps, and on the mix of books and long passages not in the same
+    budget."""
 
     def __init__(self, s: TrainSettings):
         self.s, self.top, self.running = s, max(s.min_entries, min(s.start_entries, s.max_entries)), 0.0
         self.copy_running, self.copied = 0.0, s.copy_first == 0
+        self.short_end: int | None = None  # the step the short passages ended at
+        self.copy_end: int | None = None  # the step the copy stage ended at
 
     def copy_stage(self, step: int) -> bool:
-        """Copy chats only: the first `copy_first` steps, or fewer once the model repeats passages."""
+        """Short copy chats only: the first `copy_first` steps, or fewer once the model repeats passages."""
         return not self.copied and step < self.s.copy_first
+
+    def stage(self, step: int) -> str:
+        """"copy" (short passages), "copy-long" or "books" at `step` (asked in order: the ends of the
+        copy stage's two parts are recorded when first seen)."""
+        if self.copy_end is None:
+            if self.short_end is None and not self.copy_stage(step):
+                self.short_end = step
+            if self.short_end is not None and step >= self.short_end + self.s.copy_long:
+                self.copy_end = step
+        return "books" if self.copy_end is not None else "copy" if self.short_end is None else "copy-long"
 
     def update(self, acc: float, copy_acc: float = float("nan")) -> None:
         if copy_acc == copy_acc:
@@ -154,20 +167,19 @@ class Trainer:
                                       {"params": rest, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
         self.done = 0
         self.curriculum = Curriculum(settings)
-        self.short_end: int | None = None  # the step the short passages ended at
-        self.copy_end: int | None = None  # the step the copy stage ended at
         model.train()
 
+    @property
+    def short_end(self) -> int | None:
+        return self.curriculum.short_end
+
+    @property
+    def copy_end(self) -> int | None:
+        return self.curriculum.copy_end
+
     def in_copy_stage(self) -> bool:
-        """Whether the next step is a copy-stage step: short passages until the model repeats them
-        (at most `copy_first` steps), then `copy_long` steps of passages of `copy_words` words.
-        The ends are recorded when first seen."""
-        if self.copy_end is None:
-            if self.short_end is None and not self.curriculum.copy_stage(self.done):
-                self.short_end = self.done
-            if self.short_end is not None and self.done >= self.short_end + self.s.copy_long:
-                self.copy_end = self.done
-        return self.copy_end is None
+        """Whether the next step is a copy-stage step (`Curriculum.stage`)."""
+        return self.curriculum.stage(self.done) != "books"
 
     @property
     def total_steps(self) -> int:
@@ -181,27 +193,28 @@ class Trainer:
     def finished(self) -> bool:
         return not self.in_copy_stage() and self.done - self.copy_end >= self.s.steps
 
-    def lr_at(self, step: int) -> float:
-        """`copy_lr` in the copy stage; after it, a cosine over `steps` from `lr` down to lr / 10;
-        a linear warm-up over the run's first `warmup` steps."""
+    def lr(self) -> float:
+        """The next step's lr: `copy_lr` in the copy stage; after it, a cosine over `steps` from `lr`
+        down to lr / 10; a linear warm-up over the run's first `warmup` steps."""
         s = self.s
-        warm = min(1.0, (step + 1) / s.warmup)
+        warm = min(1.0, (self.done + 1) / s.warmup)
         if self.in_copy_stage():
             return s.copy_lr * warm
-        frac = (step - self.copy_end) / max(1, s.steps)
+        frac = (self.done - self.copy_end) / max(1, s.steps)
         return s.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def step(self) -> tuple[float, float]:
         """One optimiser step on a fresh batch -> (loss, share of phonebook first answers exactly right)."""
-        chats = sample_chats(self.rng, self.s, self.s.batch, self.curriculum.top, copy_stage=self.in_copy_stage(),
-                             long_copies=self.short_end is not None)
+        stage = self.curriculum.stage(self.done)
+        chats = sample_chats(self.rng, self.s, self.s.batch, self.curriculum.top, copy_stage=stage != "books",
+                             long_copies=stage == "copy-long")
         encoded = [encode_chat(self.tok, c) for c in chats]
         targets, owner = targets_of(encoded)
         rows = (targets != -100).nonzero().flatten()
         logits = packed_forward(self.model, [ids for ids, _ in encoded], rows)
         loss = F.cross_entropy(logits, targets[rows])
         for group in self.opt.param_groups:
-            group["lr"] = self.lr_at(self.done)
+            group["lr"] = self.lr()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
