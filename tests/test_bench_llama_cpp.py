@@ -85,8 +85,14 @@ def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, 
     assert ratios["prefill vs model-bf16.gguf pp12"] == pytest.approx(ours[("prefill", 1)] / 173.5)
     assert out["machine"]["read_bandwidth_gbps"] > 0
     assert all(0 < r["bandwidth_fraction"] for r in out["rows"] if r["phase"] == "decode")
+    assert set(out["step_profile"]) == {"1", "1 per-op", "2", "2 per-op"}
     for b in ("1", "2"):
-        prof = out["step_profile"][b]
+        prof = out["step_profile"][b]  # compiled blocks (the quick model's blocks are all served), when built
+        assert (prof["parts"]["compiled blocks"] > 0) == (_ext.load() is not None)
+        assert all(v >= 0 for v in prof["parts"].values()), prof
+        assert sum(prof["parts"].values()) == pytest.approx(prof["step_s"])
+        prof = out["step_profile"][f"{b} per-op"]
+        assert prof["parts"]["compiled blocks"] == 0
         # every timed part ran (the conv step inside the fused GDN decode kernel, when it is built, is
         # part of "recurrent"); the "other" parts are remainders, so a part counted twice shows as < 0
         assert all(prof["parts"][p] > 0 for p in ("linear", "recurrent", "attention", "norm", "sampling"))

@@ -10,7 +10,8 @@ prefill's variation from one call to the next, ~1 s of an 8 s prefill at batch 8
 figure: ~30 ms a step.) Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
 and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` of 1 GiB on the
-same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes
+same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes, with
+the blocks compiled (as decode runs) and op by op (which splits their time into kernels)
 (`kvstate.bench.step_profile`), and `--llama-bench BIN --gguf FILE [--gguf FILE2]` runs llama.cpp's
 llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
 prefill and decode beside ours, with ratios.
@@ -199,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
         with console.status(f"profiling decode steps at batch {b}"):
             prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
-            profiles[b] = profile_decode(llm, prompts, max(new - 1, 2))
+            profiles[str(b)] = profile_decode(llm, prompts, max(new - 1, 2))
+            profiles[f"{b} per-op"] = profile_decode(llm, prompts, max(new - 1, 2), per_op=True)
     llama_rows, vs_llama = [], {}
     if args.llama_bench:
         from kvstate.bench.llama_cpp import compare
@@ -221,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
                                read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads()),
                   rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
-                  step_profile={str(b): p for b, p in profiles.items()}, llama_cpp=llama_rows, vs_llama_cpp=vs_llama)
+                  step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -33,12 +33,14 @@ _HOOKS: dict[str, list[tuple[str, str]]] = {
     "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.kernels.decode", "add_rms_norm"),
              ("kvstate.layers.norm.GatedRMSNorm", "forward")],
     "rotary": [("kvstate.layers.rope.Rotary", "forward")],
+    "compiled blocks": [("kvstate.models.decode_blocks", "run")],
     "sampling": [("kvstate.engine.runner", "sample")],
     "model": [("kvstate.models.decoder.HybridDecoder", "forward")],
     "runner": [("kvstate.engine.runner.ModelRunner", "execute")],
 }
-PARTS = ("linear", "recurrent", "conv", "attention", "norm", "rotary", "model other", "sampling", "runner other",
-         "engine other")
+PARTS = ("linear", "recurrent", "conv", "attention", "norm", "rotary", "compiled blocks", "model other", "sampling",
+         "runner other", "engine other")
+_INNER = ("linear", "recurrent", "conv", "attention", "norm", "rotary", "compiled blocks")
 
 
 def _owner(path: str):
@@ -88,9 +90,17 @@ def _timer(fn, part: str, totals: dict[str, float]):
     return wrapper
 
 
-def profile_decode(llm, prompts: list[list[int]], steps: int) -> dict:
+def profile_decode(llm, prompts: list[list[int]], steps: int, per_op: bool = False) -> dict:
     """Run prefill, then `steps` decode steps of the prompts (one batch) timing each part;
-    returns {"step_s": mean seconds per step, "parts": {part: mean seconds per step}}."""
+    returns {"step_s": mean seconds per step, "parts": {part: mean seconds per step}}.
+    per_op: every block op by op (`decode_blocks.per_op`), not as compiled blocks."""
+    from kvstate.models.decode_blocks import per_op as op_by_op
+
+    with op_by_op() if per_op else contextlib.nullcontext():
+        return _profile(llm, prompts, steps)
+
+
+def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
     from kvstate.engine.params import SamplingParams
 
     core = llm.engine
@@ -107,8 +117,8 @@ def profile_decode(llm, prompts: list[list[int]], steps: int) -> dict:
             total += time.perf_counter() - t0
     while core.has_unfinished():
         core.step()
-    inner = sum(raw[p] for p in ("linear", "recurrent", "conv", "attention", "norm", "rotary"))
-    parts = {p: raw[p] for p in ("linear", "recurrent", "conv", "attention", "norm", "rotary", "sampling")}
+    inner = sum(raw[p] for p in _INNER)
+    parts = {p: raw[p] for p in (*_INNER, "sampling")}
     parts["model other"] = raw["model"] - inner
     parts["runner other"] = raw["runner"] - raw["model"] - raw["sampling"]
     parts["engine other"] = total - raw["runner"]
@@ -116,8 +126,9 @@ def profile_decode(llm, prompts: list[list[int]], steps: int) -> dict:
 
 
 def profile_table(profiles: dict, weight_bytes: int):
-    """A rich table: per part, ms per step and % of the step, one column pair per batch size; the
-    last rows give the streaming share (linear / step) and the linear kernels' GB/s of weights."""
+    """A rich table: per part, ms per step and % of the step, one column pair per profile (keyed by
+    its batch size, e.g. "8", or "8 per-op"); the last row gives the linear kernels' GB/s of weights
+    (measurable on the per-op path only: compiled blocks stream inside their call)."""
     from rich.table import Table
 
     table = Table(title="decode step breakdown (wall clock per step)")
@@ -133,6 +144,7 @@ def profile_table(profiles: dict, weight_bytes: int):
         table.add_row(part, *cells)
     gbps = []
     for p in profiles.values():
-        gbps += [f"{weight_bytes / max(p['parts']['linear'], 1e-12) / 1e9:.1f} GB/s", ""]
+        streamed = p["parts"]["compiled blocks"] == 0
+        gbps += [f"{weight_bytes / max(p['parts']['linear'], 1e-12) / 1e9:.1f} GB/s" if streamed else "-", ""]
     table.add_row("linear: weights streamed", *gbps)  # the kernels' own rate while they run
     return table

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvstate.kernels import hugepages
+
 BLOCK_KEYS = ("k", "v", "latent")
 SLOT_KEYS = ("state", "conv")
 
@@ -54,7 +56,12 @@ def allocate_pools(spec, *, num_blocks: int, block_size: int, num_slots: int, de
     kv = _TORCH_DTYPES[spec.kv_dtype]
     dtypes = {"k": kv, "v": kv, "latent": kv, "state": _TORCH_DTYPES[spec.state_dtype],
               "conv": _TORCH_DTYPES[spec.conv_dtype]}
-    return [LayerCache(**{key: torch.zeros((num_blocks if key in BLOCK_KEYS else num_slots, *shape),
-                                           dtype=dtypes[key], device=device)
-                          for key, shape in shapes.items()})
-            for shapes in layer_shapes(spec, block_size)]
+    layout = [{key: ((num_blocks if key in BLOCK_KEYS else num_slots, *shape), dtypes[key])
+               for key, shape in shapes.items()} for shapes in layer_shapes(spec, block_size)]
+    flat = [item for layer in layout for item in layer.values()]
+    # on CPU, one mapping on huge pages (decode streams the state slots, as it does the weights)
+    tensors = hugepages.zeros(flat) if torch.device(device or "cpu").type == "cpu" else None
+    if tensors is None:
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in flat]
+    it = iter(tensors)
+    return [LayerCache(**{key: next(it) for key in layer}) for layer in layout]

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvstate.models import decode_blocks
+
 
 class Block(nn.Module):
     def __init__(self, mixer: nn.Module | None, ffn: nn.Module | None, norm: Callable[[], nn.Module]):
@@ -78,8 +80,12 @@ class HybridDecoder(nn.Module):
         (the last token of each sampled entry): mid-prefill rows never reach the LM head."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a bf16-stored table widens exactly
         delta = None  # each block's last residual add, left to the next block's first norm
-        for block, cache in zip(self.layers, caches):
-            x, delta = block.forward_pending(x, delta, batch, cache)
+        compiled = decode_blocks.for_step(self, batch)  # a decode step's blocks as one call each, or None
+        for i, (block, cache) in enumerate(zip(self.layers, caches)):
+            if compiled is not None and compiled[i] is not None:
+                x, delta = decode_blocks.run(compiled[i], x, delta, batch, cache)
+            else:
+                x, delta = block.forward_pending(x, delta, batch, cache)
         if delta is not None:
             x = x + delta
         x = self.norm(x.index_select(0, batch.logits_indices))  # [M, hidden]

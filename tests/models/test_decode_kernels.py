@@ -1,7 +1,8 @@
 """A tiny Qwen3.5 checkpoint (saved by transformers) decodes the same with the decode-step kernels
 (`kernels.decode`: norms, fused Gated DeltaNet) as with everything forced to torch: the same greedy
 tokens, and per-step logits within 1e-5 relative, for one sequence and for a batch in scattered
-slots; the kernels are checked to have run."""
+slots; the kernels are checked to have run. (These are the per-op kernels: the compiled blocks,
+which call the same kernels in one call per block, are held off here; test_decode_blocks.py.)"""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from kvstate import kernels
 from kvstate.kernels import _ext
 from kvstate.models.batch import Batch
+from kvstate.models.decode_blocks import per_op
 from kvstate.models.generate import contiguous_caches, greedy_generate
 from tests.kernels.conftest import extension
 from tests.kernels.test_decode_gdn import Spy
@@ -32,7 +34,8 @@ def test_greedy_tokens_equal(model, monkeypatch):
         ref = greedy_generate(model, prompt, 40)
     calls = []
     monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
-    assert greedy_generate(model, prompt, 40) == ref
+    with per_op():
+        assert greedy_generate(model, prompt, 40) == ref
     assert calls.count("gdn_decode") == 3 * 39  # three GDN layers, every decode step
     assert "rms_norm" in calls
 
@@ -63,6 +66,7 @@ def test_decode_logits_equal(model, n, monkeypatch):
         ref = _decode_logits(model, prompts, 8, slots)
     calls = []
     monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
-    got = _decode_logits(model, prompts, 8, slots)
+    with per_op():
+        got = _decode_logits(model, prompts, 8, slots)
     assert calls.count("gdn_decode") == 3 * 8
     assert rel_err(got, ref) <= 1e-5, rel_err(got, ref)

@@ -239,6 +239,17 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 }  // namespace
 
+namespace kvstate::op {
+Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& gate,
+                        const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
+                        double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
+                        Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
+                        double scale) {
+  return ::attention_decode(q, k, v, gate, q_norm, k_norm, eps, offset, inv_freq, positions, k_cache, v_cache,
+                            block_tables, kv_indices, scale);
+}
+}  // namespace kvstate::op
+
 namespace kvstate {
 
 void register_decode_attention(pybind11::module_& m) {

@@ -333,11 +333,26 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
 
 }  // namespace
 
+namespace kvstate::op {
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset) { return ::rms_norm(x, w, eps, offset); }
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,
+                                        double offset) {
+  return ::add_rms_norm(x, delta, w, eps, offset);
+}
+Tensor silu_mul(const Tensor& gate, const Tensor& up) { return ::silu_mul(gate, up); }
+Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, Tensor conv_pool,
+                  const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H) {
+  return ::gdn_decode(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w, norm_eps, scale, H);
+}
+}  // namespace kvstate::op
+
 namespace kvstate {
 
 void register_decode_ops(pybind11::module_& m) {
   namespace py = pybind11;
   register_decode_attention(m);
+  register_decode_blocks(m);
   m.def("rms_norm", &rms_norm, "y[..., D] = x * rsqrt(mean(x^2) + eps) * (w + offset)", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("offset") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta)) for [M, D] rows", py::arg("x"),

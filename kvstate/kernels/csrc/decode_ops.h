@@ -40,7 +40,29 @@ void gdn_head(const float* S, float* out, const float* q, const float* k, const 
 
 }  // namespace kvstate::dec
 
+// The Tensor-level ops, for the one-call decode blocks (decode_block.cpp); each is the function the
+// extension module binds under the same name (checks included), defined in gemv.cpp, decode_ops.cpp
+// and decode_attention.cpp.
+#include <torch/extension.h>
+namespace kvstate::op {
+using torch::Tensor;
+Tensor linear(const Tensor& x, const Tensor& w, const std::string& isa);
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset);
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,
+                                        double offset);
+Tensor silu_mul(const Tensor& gate, const Tensor& up);
+Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, Tensor conv_pool,
+                  const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H);
+Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& gate,
+                        const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
+                        double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
+                        Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
+                        double scale);
+}  // namespace kvstate::op
+
 namespace kvstate {
 void register_decode_ops(pybind11::module_& m);
+void register_decode_blocks(pybind11::module_& m);  // decode_block.cpp
 void register_decode_attention(pybind11::module_& m);  // decode_attention.cpp
 }  // namespace kvstate

@@ -111,6 +111,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 }  // namespace
 
+namespace kvstate::op {
+Tensor linear(const Tensor& x, const Tensor& w, const std::string& isa) { return ::linear(x, w, c10::nullopt, isa, false); }
+}  // namespace kvstate::op
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvstate skinny GEMM: y = x @ W^T (+ bias), W fp32 or bf16, fp32 math";
   m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (+ bias)", pybind11::arg("x"), pybind11::arg("weight"),

@@ -1,0 +1,163 @@
+// One hybrid block of a decode step in one call: residual add + RMSNorm, the mixer's fused input
+// projection, the mixer (Gated DeltaNet or gated attention), its output projection, residual add +
+// RMSNorm, the gated MLP. The same Tensor-level ops the per-op path calls from Python
+// (decode_ops.h, kvstate::op), in the same order on the same rows, so the numbers are identical; what
+// goes is the Python between them. After each weight-streaming GEMV the caches hold weights, and
+// every Python op then runs cold (measured: three tensor views 9 us warm, 48 us after a 20 MB GEMV;
+// a decode step of the 0.5b model spent ~8 ms of ~75 so): here only the kernels run in between.
+//
+// Threads, as `kernels.threads` has them inside a decode step: torch runs single-threaded, and the
+// GEMVs (and a mixer whose state or KV is big) get `wide` threads (0: leave the count as it is).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "decode_ops.h"
+
+namespace {
+
+using torch::Tensor;
+using OptT = c10::optional<Tensor>;
+
+// at::set_num_threads(n) for the scope when n > 0 and it differs; the count before, after it.
+struct Threads {
+  int prev;
+  bool set;
+  explicit Threads(int64_t n) : prev(at::get_num_threads()), set(n > 0 && n != prev) {
+    if (set) at::set_num_threads(int(n));
+  }
+  ~Threads() {
+    if (set) at::set_num_threads(prev);
+  }
+};
+
+Tensor gemv(const Tensor& x, const Tensor& w, const std::string& isa, int64_t wide) {
+  Threads t(wide);
+  return kvstate::op::linear(x, w, isa);
+}
+
+struct Norm {
+  Tensor w;
+  double eps, offset;
+};
+
+// (x + delta, norm(x + delta)); without delta (the first block) (x, norm(x))
+std::tuple<Tensor, Tensor> add_norm(const Tensor& x, const OptT& delta, const Norm& n) {
+  if (!delta.has_value()) return {x, kvstate::op::rms_norm(x, n.w, n.eps, n.offset)};
+  return kvstate::op::add_rms_norm(x, *delta, n.w, n.eps, n.offset);
+}
+
+// The block's second half: ffn norm (with the mixer's residual add) and the gated (SiLU) MLP,
+// gate and up fused in w_gu [2I, hidden]; its residual add is left pending for the next block.
+struct Mlp {
+  Norm norm;
+  Tensor w_gu, w_down;
+  std::tuple<Tensor, Tensor> run(const Tensor& x, const Tensor& mixed, const std::string& isa, int64_t wide) const {
+    auto [sum, h] = kvstate::op::add_rms_norm(x, mixed, norm.w, norm.eps, norm.offset);
+    const Tensor gu = gemv(h, w_gu, isa, wide);
+    const int64_t I = w_down.size(1);
+    const Tensor act = kvstate::op::silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+    return {sum, gemv(act, w_down, isa, wide)};
+  }
+};
+
+struct GdnBlock {
+  Norm norm;
+  Tensor w_in;  // [qkv | z | b | a] rows of the fused in_proj
+  int64_t n_qkv, n_z, n_b;
+  Tensor conv_w, A_log, dt_bias, norm_w;
+  double norm_eps, scale;
+  int64_t num_k_heads;
+  Tensor w_out;
+  Mlp mlp;
+  std::string isa;
+
+  // -> (x + delta, the block's output delta); the pools updated in place at `slots`
+  std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor conv_pool, Tensor state_pool,
+                                 const Tensor& slots, int64_t wide, bool state_wide) const {
+    auto [sum, h] = add_norm(x, delta, norm);
+    const Tensor p = gemv(h, w_in, isa, wide);
+    const int64_t n_a = p.size(1) - n_qkv - n_z - n_b;
+    Tensor o;
+    {
+      Threads t(state_wide ? wide : 0);
+      o = kvstate::op::gdn_decode(p.narrow(1, 0, n_qkv), p.narrow(1, n_qkv, n_z), p.narrow(1, n_qkv + n_z + n_b, n_a),
+                                  p.narrow(1, n_qkv + n_z, n_b), conv_pool, conv_w, state_pool, slots, A_log, dt_bias,
+                                  norm_w, norm_eps, scale, num_k_heads);
+    }
+    return mlp.run(sum, gemv(o, w_out, isa, wide), isa, wide);
+  }
+};
+
+struct AttnBlock {
+  Norm norm;
+  Tensor w_qkv;  // [q (and gate) | k | v] rows of the fused projection
+  int64_t H, Hkv, D, Dv;
+  bool gated;  // q_proj is [H, 2D]: per head the query, then the output gate
+  OptT q_norm, k_norm;
+  double qk_eps, qk_offset;
+  OptT inv_freq;
+  double scale;
+  Tensor w_o;
+  Mlp mlp;
+  std::string isa;
+
+  std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
+                                 const Tensor& positions, const Tensor& tables, const Tensor& kv_indices, int64_t wide,
+                                 bool kv_wide) const {
+    auto [sum, h] = add_norm(x, delta, norm);
+    const Tensor p = gemv(h, w_qkv, isa, wide);
+    const int64_t n = p.size(0), nq = H * D * (gated ? 2 : 1), nk = Hkv * D;
+    Tensor q = p.narrow(1, 0, nq), gate;
+    OptT g;
+    if (gated) {
+      const Tensor qg = q.view({n, H, 2 * D});
+      q = qg.narrow(2, 0, D);
+      g = qg.narrow(2, D, D);
+    } else {
+      q = q.view({n, H, D});
+    }
+    const Tensor k = p.narrow(1, nq, nk).view({n, Hkv, D}), v = p.narrow(1, nq + nk, Hkv * Dv).view({n, Hkv, Dv});
+    Tensor o;
+    {
+      Threads t(kv_wide ? wide : 0);
+      o = kvstate::op::attention_decode(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions, k_cache,
+                                        v_cache, tables, kv_indices, scale);
+    }
+    return mlp.run(sum, gemv(o, w_o, isa, wide), isa, wide);
+  }
+};
+
+}  // namespace
+
+namespace kvstate {
+
+void register_decode_blocks(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<GdnBlock>(m, "GdnBlock", "a Gated DeltaNet + gated MLP block of a decode step, one call")
+      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_in, int64_t n_qkv, int64_t n_z,
+                       int64_t n_b, Tensor conv_w, Tensor A_log, Tensor dt_bias, Tensor gnorm_w, double gnorm_eps,
+                       double scale, int64_t num_k_heads, Tensor w_out, Tensor ffn_norm_w, double ffn_eps,
+                       double ffn_offset, Tensor w_gu, Tensor w_down, std::string isa) {
+             return GdnBlock{{norm_w, norm_eps, norm_offset}, w_in, n_qkv, n_z, n_b, conv_w, A_log, dt_bias, gnorm_w,
+                             gnorm_eps, scale, num_k_heads, w_out, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down},
+                             isa};
+           }))
+      .def("run", &GdnBlock::run, py::arg("x"), py::arg("delta"), py::arg("conv_pool"), py::arg("state_pool"),
+           py::arg("slots"), py::arg("wide"), py::arg("state_wide"));
+  py::class_<AttnBlock>(m, "AttnBlock", "a (gated) attention + gated MLP block of a decode step, one call")
+      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_qkv, int64_t H, int64_t Hkv,
+                       int64_t D, int64_t Dv, bool gated, OptT q_norm, OptT k_norm, double qk_eps, double qk_offset,
+                       OptT inv_freq, double scale, Tensor w_o, Tensor ffn_norm_w, double ffn_eps, double ffn_offset,
+                       Tensor w_gu, Tensor w_down, std::string isa) {
+             return AttnBlock{{norm_w, norm_eps, norm_offset}, w_qkv, H, Hkv, D, Dv, gated, q_norm, k_norm, qk_eps,
+                              qk_offset, inv_freq, scale, w_o, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}, isa};
+           }))
+      .def("run", &AttnBlock::run, py::arg("x"), py::arg("delta"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("wide"), py::arg("kv_wide"));
+}
+
+}  // namespace kvstate

@@ -1,0 +1,171 @@
+"""A decode step's blocks as one compiled call each (`ext.GdnBlock` / `ext.AttnBlock`).
+
+A block of a decode-only step is ~8 kernel calls (norms, the fused projections, the mixer, the
+MLP) and the Python between them. After each weight-streaming GEMV the CPU caches hold weights, so
+that Python runs cold: on the 0.5b bench model's machine three tensor views cost 9 us warm and
+48 us after a 20 MB GEMV, and a batch-1 step (24 blocks) spent ~8 ms of ~75 that way. The compiled
+block (csrc/decode_block.cpp) calls the same Tensor-level kernels on the same rows in the same
+order, so its numbers are the per-op path's, bit for bit; only the Python goes.
+
+`plan(model)` prepares one compiled block per block it can serve: a Gated DeltaNet (SiLU conv) or
+full-attention mixer whose projections are fused (`kernels.fused`) and bias-free, between two
+RMSNorms, then a SiLU gated MLP, weights fp32 or bf16, small parameters fp32. Any other block
+(MoE, Mamba, KDA, MLA, biases, a module with forward hooks such as tensor parallelism's all-reduce)
+keeps the per-op path: the decoder mixes both freely.
+`for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
+None; `per_op()` turns the compiled blocks off in a block (tests, the step profile's breakdown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+
+from kvstate.kernels import Linear, _ext
+from kvstate.kernels.decode import WIDE_KV_BYTES, WIDE_STATE_BYTES
+from kvstate.kernels.dispatch import _choice
+from kvstate.kernels.threads import _wide
+from kvstate.layers.attention import Attention
+from kvstate.layers.gated_deltanet import GatedDeltaNet
+from kvstate.layers.mlp import GatedMLP
+from kvstate.layers.norm import RMSNorm
+from kvstate.layers.recurrence import clear_fresh
+
+_off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstate_per_op_blocks", default=False)
+_WEIGHTS = (torch.float32, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def per_op():
+    """Inside the block, decode steps run every block op by op (the reference path)."""
+    token = _off.set(True)
+    try:
+        yield
+    finally:
+        _off.reset(token)
+
+
+def for_step(model, batch) -> list | None:
+    """[compiled block or None per block] for this step, or None (not decode-only, or not served)."""
+    if not batch.decode_only or _off.get() or _choice() != "auto" or torch.is_grad_enabled():
+        return None
+    plans = getattr(model, "_decode_blocks", None)
+    if plans is None or not all(g.intact() for g in plans[1]):  # a .to() since: build again
+        plans = model._decode_blocks = plan(model)
+    return plans[0] if any(p is not None for p in plans[0]) else None
+
+
+def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
+    """The block as one call: (x + delta, its output delta), like `Block.forward_pending`.
+    `entry`: (kind, compiled block) from the plan."""
+    wide = _wide.get() or 0
+    kind, entry = entry
+    if kind == "gdn":
+        group = batch.groups[0]
+        clear_fresh(cache.conv, group)  # entries with an empty cache start from zeros
+        clear_fresh(cache.state, group)
+        state = cache.state
+        big = state.shape[1] * state.shape[2] * state.shape[3] * 4 * len(group.slots) >= WIDE_STATE_BYTES
+        return entry.run(x, delta, cache.conv, state, group.slots, wide, big)
+    k, v = cache.k, cache.v
+    big = sum(batch.kv_lens) * k.shape[2] * (k.shape[3] + v.shape[3]) * 4 >= WIDE_KV_BYTES
+    return entry.run(x, delta, k, v, batch.positions, batch.block_tables, batch.kv_indices, wide, big)
+
+
+def plan(model) -> tuple[list, list]:
+    """([(kind, compiled block) or None per block], the fused groups they read: stale once one is not intact)."""
+    ext = _ext.load()
+    blocks, groups = [], []
+    for block in model.layers:
+        made = None
+        if ext is not None and not _hooked(block):
+            made = _gdn(ext, block, groups) if isinstance(block.mixer, GatedDeltaNet) else \
+                _attention(ext, block, groups) if isinstance(block.mixer, Attention) else None
+        blocks.append(made)
+    return blocks, groups
+
+
+def _hooked(block) -> bool:
+    """Any forward hook on the block or inside it (or a global one): its Python must run."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
+
+
+def _fused(linears, groups) -> torch.Tensor | None:
+    """The fused weight of exactly these linears (bias-free, served dtype), or None."""
+    group = getattr(linears[0], "fused_group", None)
+    if any(type(m) is not Linear for m in linears) or group is None or group.members != tuple(linears) or not group.intact() or group.bias is not None:
+        return None
+    if group.weight.dtype not in _WEIGHTS or not group.weight.is_contiguous():
+        return None
+    groups.append(group)
+    return group.weight
+
+
+def _fp32(*tensors: torch.Tensor) -> bool:
+    """Small parameters the kernels read: contiguous CPU float32."""
+    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def _plain(linear) -> torch.Tensor | None:
+    if type(linear) is not Linear:  # a subclass may do more than the GEMV
+        return None
+    w = linear.weight
+    return w if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2 else None
+
+
+def _norm(norm) -> tuple | None:
+    if type(norm) is not RMSNorm or not _fp32(norm.weight):
+        return None
+    return norm.weight, norm.eps, norm.offset
+
+
+def _tail(block, groups) -> tuple | None:
+    """(ffn norm weight, eps, offset, w_gate_up, w_down) for a SiLU gated MLP, or None."""
+    ffn, norm = block.ffn, _norm(block.ffn_norm) if block.ffn is not None else None
+    if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu:
+        return None
+    w_gu, w_down = _fused((ffn.gate_proj, ffn.up_proj), groups), _plain(ffn.down_proj)
+    return None if w_gu is None or w_down is None else (*norm, w_gu, w_down)
+
+
+def _gdn(ext, block, groups):
+    m = block.mixer
+    norm, tail = _norm(block.input_norm), _tail(block, groups)
+    w_in = _fused((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), groups)
+    w_out, gn = _plain(m.out_proj), m.norm
+    small = (m.conv_weight, m.A_log, m.dt_bias, gn.weight)
+    if None in (norm, tail, w_in, w_out) or m.act != "silu" or not _fp32(*small):
+        return None
+    if not (gn.norm_before_gate and gn.activation == "silu" and gn.group_size == m.head_v_dim):
+        return None
+    return "gdn", ext.GdnBlock(*norm, w_in, m.conv_dim, m.value_dim, m.num_v_heads, m.conv_weight, m.A_log,
+                               m.dt_bias, gn.weight, gn.eps, m.head_k_dim**-0.5, m.num_k_heads, w_out, *tail, "auto")
+
+
+def _attention(ext, block, groups):
+    m = block.mixer
+    norm, tail = _norm(block.input_norm), _tail(block, groups)
+    w_qkv, w_o = _fused((m.q_proj, m.k_proj, m.v_proj), groups), _plain(m.o_proj)
+    if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None):
+        return None
+    qn = kn = None
+    eps = offset = 0.0
+    if m.q_norm is not None:
+        qn, kn = _norm(m.q_norm), _norm(m.k_norm)
+        if qn is None or kn is None or qn[1:] != kn[1:]:
+            return None
+        (qn, eps, offset), kn = qn, kn[0]
+    inv_freq = None
+    if m.rotary is not None:
+        inv_freq = m.rotary.inv_freq
+        if 2 * inv_freq.numel() != m.rotary.rotary_dim or not _fp32(inv_freq):
+            return None
+    return "attention", ext.AttnBlock(*norm, w_qkv, m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim,
+                                      m.output_gate, qn, kn, eps, offset, inv_freq, m.scale, w_o, *tail, "auto")

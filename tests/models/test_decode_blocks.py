@@ -1,0 +1,95 @@
+"""The compiled decode blocks (`kvstate.models.decode_blocks`: one extension call per block) give
+the per-op path's logits bit for bit: Qwen3.5 (Gated DeltaNet, gated attention with q/k norms and
+partial rotary) and Llama (plain attention), fp32 and bf16 weights, one sequence and a batch in
+scattered slots; blocks they cannot serve (MoE) run op by op in the same step; a plan whose
+weights were replaced since is built again."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from kvstate.models import decode_blocks
+from kvstate.models.build import fuse_projections, set_weight_dtype
+from kvstate.models.loader import load_model
+from tests.kernels.conftest import extension
+from tests.models.checks import redraw_weights
+from tests.models.test_decode_kernels import _decode_logits
+from tests.models.test_qwen3_5 import TEXT, VOCAB, tiny_moe
+
+
+def _saved(hf, path):
+    redraw_weights(hf, 0)
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    torch.manual_seed(0)
+    qwen = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **TEXT)).eval()
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    return {"qwen3_5": _saved(qwen, tmp_path_factory.mktemp("qwen")),
+            "llama": _saved(llama, tmp_path_factory.mktemp("llama")),
+            "moe": _saved(tiny_moe(0), tmp_path_factory.mktemp("moe"))}
+
+
+def _both(model, n: int):
+    """(per-op logits, compiled logits) [steps, n, vocab] of the same prefill and decode steps."""
+    prompts = [[(7 * i + 3 * j + 1) % VOCAB for j in range(11)] for i in range(n)]
+    slots = [6, 1, 4, 0, 3][:n]
+    with decode_blocks.per_op():
+        ref = _decode_logits(model, prompts, 6, slots)
+    return ref, _decode_logits(model, prompts, 6, slots)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_compiled_blocks_equal_per_op_bitwise(checkpoints, name, weights, n, monkeypatch):
+    extension()
+    model, _ = load_model(checkpoints[name], weight_dtype=weights)
+    ran = []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
+    ref, got = _both(model, n)
+    assert len(ran) == 6 * len(model.layers)  # every block of these two families, every decode step
+    assert torch.equal(got, ref)
+
+
+def test_blocks_it_cannot_serve_run_op_by_op(checkpoints, monkeypatch):
+    extension()
+    model, _ = load_model(checkpoints["moe"])
+    assert decode_blocks.plan(model)[0] == [None] * len(model.layers)  # MoE FFNs: not served
+    qwen, _ = load_model(checkpoints["qwen3_5"])
+    real = decode_blocks.plan
+    mixed = lambda m: ([None if i in (1, 2) else p for i, p in enumerate(real(m)[0])], real(m)[1])  # noqa: E731
+    monkeypatch.setattr(decode_blocks, "plan", mixed)
+    ref, got = _both(qwen, 3)
+    assert torch.equal(got, ref)
+
+
+def test_plan_is_rebuilt_when_the_weights_change(checkpoints):
+    extension()
+    model, _ = load_model(checkpoints["qwen3_5"])
+    _both(model, 1)
+    first = model._decode_blocks
+    set_weight_dtype(model, torch.bfloat16)  # new weight tensors: the fused groups are stale
+    fuse_projections(model)
+    ref, got = _both(model, 1)
+    assert model._decode_blocks is not first
+    assert torch.equal(got, ref)
+    bf16, _ = load_model(checkpoints["qwen3_5"], weight_dtype="bf16")
+    assert torch.equal(got, _both(bf16, 1)[0])
+
+
+def test_a_block_with_forward_hooks_runs_op_by_op(checkpoints):
+    # tensor parallelism adds its all-reduce as a forward hook on the mixer and the MLP: a compiled
+    # block would skip it
+    extension()
+    model, _ = load_model(checkpoints["qwen3_5"])
+    model.layers[1].mixer.register_forward_hook(lambda module, args, out: 2 * out)
+    plans, _ = decode_blocks.plan(model)
+    assert plans[1] is None and all(p is not None for i, p in enumerate(plans) if i != 1)
+    ref, got = _both(model, 2)
+    assert torch.equal(got, ref)
