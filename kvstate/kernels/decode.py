@@ -24,8 +24,11 @@ MAX_ROWS = 64
 # and ~4.6 MiB of KV per layer), 2 threads, one process, load average ~4 from other work: the GDN
 # state update 1.7x faster on both threads, attention 1.6x, the step 1.06x. (An earlier busy-machine
 # run found batch 8 slower with 4 MiB; the old threshold, 64 MiB, kept batch 8 on one thread.)
-WIDE_STATE_BYTES = 4 << 20
-WIDE_KV_BYTES = 1 << 20
+# At batch 1 (1 MiB of state, ~0.6 MiB of KV per layer), quiet machine, compiled blocks, bf16
+# weights, five alternating runs each: a step took 58.0 / 60.3 ms with both on one thread and
+# 56.3 / 57.9 ms with both wide (the older 4 MiB / 1 MiB thresholds kept batch 1 on one thread).
+WIDE_STATE_BYTES = 256 << 10
+WIDE_KV_BYTES = 256 << 10
 
 
 def _ext_for(rows: int, *tensors: torch.Tensor | None):

@@ -147,8 +147,18 @@ constexpr int kRing = kAhead + 1;      // ring slots: [32 W rows][32 k] bf16, 2 
 using Ring = uint16_t[kRing][32 * 32];
 
 // ring slot <- W[32 rows from w0, k:k+32], contiguous (64 B rows)
+// A ring slot <- W rows [32][k, k + 32); each row's line kFar steps later is prefetched into L2
+// (past the row's end: the same line of the next block of 32 rows, which the next call streams).
+// The hardware prefetchers follow 32 interleaved 2 KiB rows badly, and the L1 fill buffers alone
+// (the staged loads) keep too few lines in flight to stream at memory speed.
+constexpr int64_t kFar = 12;  // steps of 32 k
+
 inline void stage(const uint16_t* w0, int64_t K, int64_t k, uint16_t* slot) {
-  for (int r = 0; r < 32; ++r) _mm512_store_si512(slot + r * 32, _mm512_loadu_si512(w0 + r * K + k));
+  const int64_t far = k + kFar * 32 < K ? kFar * 32 : 32 * K + kFar * 32 - K;
+  for (int r = 0; r < 32; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + k + far), _MM_HINT_T1);
+    _mm512_store_si512(slot + r * 32, _mm512_loadu_si512(w0 + r * K + k));
+  }
 }
 
 // C tiles += W[32 rows from w0, k 0:K32] . B columns^T. PACKED: the B columns are all 3 M of
