@@ -108,6 +108,22 @@ def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, 
     assert "decode step breakdown" in text and "weights streamed" in text
 
 
+def test_bench_engine_alternates_rounds_of_both_sides(capsys, tmp_path):
+    binary, gguf = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "1", "--prompt-len", "6",
+                 "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--llama-bench", binary,
+                 "--gguf", gguf, "--rounds", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "args.json").read_text())[2:] == ["-t", "1", "-p", "0", "-n", "64", "-o", "json"]
+    rounds = out["vs_llama_cpp_rounds"]["decode b=1 vs model-bf16.gguf tg64"]
+    assert rounds["theirs"] == [25.25] * 3 and len(rounds["ours"]) == 3
+    assert rounds["ratios"] == pytest.approx([o / 25.25 for o in rounds["ours"]])
+    assert rounds["median"] == pytest.approx(sorted(rounds["ratios"])[1])
+    console = Console(file=io.StringIO(), width=200)
+    show(console, out)
+    assert "3 alternating rounds: median" in console.file.getvalue()
+
+
 def test_bench_engine_llama_arguments_are_checked_first(capsys, tmp_path):
     assert main(["bench", "engine", "--quick", "--gguf", str(tmp_path / "x.gguf")]) == 2
     err = capsys.readouterr().err
@@ -115,6 +131,10 @@ def test_bench_engine_llama_arguments_are_checked_first(capsys, tmp_path):
     binary, _ = fake_llama_bench(tmp_path)
     assert main(["bench", "engine", "--quick", "--llama-bench", binary, "--gguf", str(tmp_path / "missing")]) == 2
     assert "--gguf" in capsys.readouterr().err
+    for bad in (["--rounds", "0"], ["--rounds", "3"]):  # a count >= 1; above 1 only against llama.cpp
+        assert main(["bench", "engine", "--quick", *bad]) == 2
+        err = capsys.readouterr().err
+        assert "--rounds" in err and err.count("\n") == 1
 
 
 def test_profile_timers_are_removed_afterwards():

@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", metavar="FILE", action="append", default=[],
                         help="the same model as GGUF for --llama-bench (repeatable: f32, bf16, ...)")
     parser.add_argument("--llama-gen", type=int, default=64, help="llama-bench's decode tokens, -n (default 64)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --llama-bench: also alternate N batch-1 decode runs of kvstate and "
+                             "llama.cpp and print the median ratio (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
 
 
@@ -52,6 +55,8 @@ def _check_llama_args(args) -> None:
 
     if bool(args.llama_bench) != bool(args.gguf):
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
+    if args.rounds < 1 or (args.rounds > 1 and not args.llama_bench):
+        raise KvstateError(f"--rounds {args.rounds}: a count >= 1, above 1 only with --llama-bench")
     for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
         if path and not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
@@ -202,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
             profiles[str(b)] = profile_decode(llm, prompts, max(new - 1, 2))
             profiles[f"{b} per-op"] = profile_decode(llm, prompts, max(new - 1, 2), per_op=True)
-    llama_rows, vs_llama = [], {}
+    llama_rows, vs_llama, rounds = [], {}, {}
     if args.llama_bench:
         from kvstate.bench.llama_cpp import compare
 
@@ -212,6 +217,16 @@ def run(args: argparse.Namespace) -> int:
                                            embedding_params=vocab * llm.plan.hidden_size,
                                            decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
                                            prefill=speed.get(("kvstate", "prefill", 1), 0.0))
+        if args.rounds > 1:
+            from kvstate.bench.llama_cpp import interleaved
+
+            def decode_b1() -> float:
+                tn, first = ours(torch.randint(0, vocab, (1, plen), generator=g).tolist(), new)
+                return (new - 1) / (tn - first) if tn > first else 0.0
+
+            with console.status(f"{args.rounds} alternating rounds: kvstate, llama-bench"):
+                rounds = interleaved(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
+                                     gen=args.llama_gen, decode_b1=decode_b1, rounds=args.rounds)
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
@@ -223,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
                                read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads()),
                   rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
-                  step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama)
+                  step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
+                  vs_llama_cpp_rounds=rounds)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -270,6 +286,9 @@ def show(console, result: dict) -> None:
                       f"-n {result['llama_gen']}")
     for k, v in result["vs_llama_cpp"].items():
         console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}: {v:.2f}x")
+    for k, v in result.get("vs_llama_cpp_rounds", {}).items():
+        console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}, {len(v['ratios'])} alternating rounds: "
+                      f"median {v['median']:.2f}x ({', '.join(f'{r:.2f}' for r in v['ratios'])})")
     if result["step_profile"]:
         from kvstate.bench.step_profile import profile_table
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -107,6 +108,26 @@ def compare(binary: str, ggufs: list[str], *, threads: int, prompt: int, gen: in
                 ratios[f"{'decode b=1' if r.test.startswith('tg') else 'prefill'} vs {name} {r.test}"] = (
                     ours / r.tokens_per_s)
     return rows, ratios
+
+
+def interleaved(binary: str, ggufs: list[str], *, threads: int, gen: int, decode_b1, rounds: int) -> dict:
+    """`rounds` alternating decode measurements: kvstate's batch-1 decode (`decode_b1()` -> tokens/s),
+    then llama-bench's tg on each GGUF, again and again, so that both sides see the same minutes of a
+    noisy machine -> {label: {"median": median ratio, "ratios": per round, "ours", "theirs": tokens/s}}."""
+    out: dict[str, dict] = {}
+    for _ in range(rounds):
+        ours = decode_b1()
+        for gguf in ggufs:
+            for r in run_llama_bench(binary, gguf, threads=threads, prompt=0, gen=gen):
+                if r.test.startswith("tg") and r.tokens_per_s > 0 and ours > 0:
+                    entry = out.setdefault(f"decode b=1 vs {Path(gguf).name} {r.test}",
+                                           dict(ratios=[], ours=[], theirs=[]))
+                    entry["ratios"].append(ours / r.tokens_per_s)
+                    entry["ours"].append(ours)
+                    entry["theirs"].append(r.tokens_per_s)
+    for entry in out.values():
+        entry["median"] = statistics.median(entry["ratios"])
+    return out
 
 
 def make_checkpoint(directory: str | Path, size: str = "0.5b") -> Path:
