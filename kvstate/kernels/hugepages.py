@@ -79,43 +79,38 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
-def _pack(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Copies of contiguous tensors in one arena (None where there are no huge pages)."""
-    out = zeros([(tuple(t.shape), t.dtype) for t in tensors])
-    if out is not None:
-        for new, t in zip(out, tensors):
-            new.copy_(t)
-    return out
-
-
 def place_weights(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     """Move the model's big parameters (>= min_bytes, contiguous, on CPU) to huge pages; returns the
     bytes moved (0 where huge pages are unavailable). A fused projection group (`kernels.fused`) moves
-    as its one matrix and its members become views of the new one, as before."""
+    as its one matrix and its members become views of the new one, as before. One tensor at a time:
+    each old tensor is released before the next is copied (the arena's pages are only taken as they
+    are written), so the process never holds the weights twice."""
     groups, params, seen = [], [], set()
     for module in model.modules():
         group = getattr(module, "fused_group", None)
         if group is not None and id(group) not in seen and group.intact():
             seen.add(id(group))
             seen.update(id(m.weight) for m in group.members)
-            groups.append(group)
+            if group.weight.numel() * group.weight.element_size() >= min_bytes:
+                groups.append(group)
     for param in model.parameters():  # unique: a tied head and embedding are one parameter
         if id(param) not in seen and param.is_cpu and param.is_contiguous() \
                 and param.numel() * param.element_size() >= min_bytes:
             params.append(param)
-    groups = [g for g in groups if g.weight.numel() * g.weight.element_size() >= min_bytes]
-    sources = [g.weight for g in groups] + [p.data for p in params]
-    moved = _pack(sources) if sources else None
-    if moved is None:
+    layout = [(tuple(t.shape), t.dtype) for t in [g.weight for g in groups] + [p.data for p in params]]
+    slots = zeros(layout) if layout else None
+    if slots is None:
         return 0
     with torch.no_grad():
-        for group, new in zip(groups, moved):
+        for group, new in zip(groups, slots):
+            new.copy_(group.weight)
             group.weight = new
             for member, view in zip(group.members, new.split(group.sizes)):
                 member.weight.data = view
-        for param, new in zip(params, moved[len(groups):]):
+        for param, new in zip(params, slots[len(groups):]):
+            new.copy_(param.data)
             param.data = new
-    return sum(t.numel() * t.element_size() for t in moved)
+    return sum(t.numel() * t.element_size() for t in slots)
 
 
 def huge_bytes() -> int:

@@ -79,3 +79,25 @@ def test_pools_are_the_planned_zero_tensors_either_way(tmp_path, monkeypatch, hu
     assert all(int(t.abs().max()) == 0 and t.is_contiguous() for t in plain)
     on_arena = plain[0].data_ptr() % hugepages.HUGE == 0
     assert on_arena == (hugepages.unavailable_reason() is None)
+
+
+PEAK = """
+import resource, torch
+from torch import nn
+from kvstate.kernels import hugepages
+model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])  # 8 x 16 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+moved = hugepages.place_weights(model, min_bytes=0)
+print(moved, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+@needs_thp
+def test_placing_weights_never_holds_them_twice():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True, check=True).stdout.split()
+    moved, grown_kib = int(out[0]), int(out[1])
+    assert moved == 8 * (16 << 20)
+    assert grown_kib < 48 << 10, f"peak RSS grew {grown_kib} KiB while moving 128 MiB"  # all at once: +128 MiB
