@@ -84,6 +84,7 @@ def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, 
     assert ratios["decode b=1 vs model-bf16.gguf tg64"] == pytest.approx(ours[("decode", 1)] / 25.25)
     assert ratios["prefill vs model-bf16.gguf pp12"] == pytest.approx(ours[("prefill", 1)] / 173.5)
     assert out["machine"]["read_bandwidth_gbps"] > 0
+    assert out["machine"]["huge_page_bytes"] >= 0 and "huge_pages_off" in out["machine"]
     assert all(0 < r["bandwidth_fraction"] for r in out["rows"] if r["phase"] == "decode")
     assert set(out["step_profile"]) == {"1", "1 per-op", "2", "2 per-op"}
     for b in ("1", "2"):

@@ -232,11 +232,14 @@ def run(args: argparse.Namespace) -> int:
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
     scaling = ends[0] / ends[1] if all(ends) else None
     wdtype = str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
+    from kvstate.kernels import hugepages
+
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
                   prompt_tokens=plen, new_tokens=new, prefill_tokens=prefill_len, llama_gen=args.llama_gen,
                   weight_bytes=wbytes,
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
-                               read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads()),
+                               read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads(),
+                               huge_page_bytes=hugepages.huge_bytes(), huge_pages_off=hugepages.unavailable_reason()),
                   rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
                   vs_llama_cpp_rounds=rounds)
@@ -256,7 +259,10 @@ def show(console, result: dict) -> None:
     console.print(f"{result['model']}; prompts {result['prompt_tokens']} tokens, {result['new_tokens']} new; "
                   f"weights {result['weight_dtype']}, activations fp32, {m['threads']} threads; machine: read "
                   f"{m['read_bandwidth_gbps']:.1f} GB/s (sum of 1 GiB), copy {m['bandwidth_gbps']:.1f} GB/s, "
-                  f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s", soft_wrap=True)
+                  f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s; "
+                  + (f"huge pages off: {m['huge_pages_off']}" if m.get("huge_pages_off") else
+                     f"{m.get('huge_page_bytes', 0) / 2**30:.2f} GiB of weights and caches on 2 MiB pages"),
+                  soft_wrap=True)
     table = Table(title="kvstate bench engine")
     for col in ("impl", "phase", "batch", "tokens/s", "ms/step", "GB/s", "% read BW"):
         table.add_column(col, justify="left" if col in ("impl", "phase") else "right")
