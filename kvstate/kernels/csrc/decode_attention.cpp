@@ -107,8 +107,23 @@ void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L,
   const int64_t G = a.H / a.Hkv, D = a.D, Dv = a.Dv;
   const int64_t* table = a.tables + i * a.max_blocks;
   std::vector<float> raw(G * L);
+  // The keys are walked one row at a time through the block table, which the hardware prefetchers
+  // follow late: each step also fetches the key kAhead rows on, and this row's value (read after
+  // the softmax). Measured: 8 sequences x 144 tokens x 2 KV heads of 256, caches cold,
+  // 710 -> 473 us a call (warm: 371 -> 325).
+  constexpr int64_t kAhead = 4;
+  const auto fetch = [](const float* p, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
+  };
+  for (int64_t t = 0; t < std::min(kAhead, L); ++t)
+    fetch(a.kc + ((table[t / a.BS] * a.BS + t % a.BS) * a.Hkv + h) * D, D);
   for (int64_t t = 0; t < L; ++t) {
     const int64_t row = table[t / a.BS] * a.BS + t % a.BS;
+    if (t + kAhead < L) {
+      const int64_t ahead = table[(t + kAhead) / a.BS] * a.BS + (t + kAhead) % a.BS;
+      fetch(a.kc + (ahead * a.Hkv + h) * D, D);
+    }
+    fetch(a.vc + (row * a.Hkv + h) * Dv, Dv);
     dots_any(qn, G, a.kc + (row * a.Hkv + h) * D, D, raw.data() + t * G);
   }
   for (int64_t g = 0; g < G; ++g)
