@@ -56,6 +56,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def state_bytes(pool: torch.Tensor, n: int) -> int:
+    """Bytes of n float32 state rows of `pool` [slots, ...] (read and written by a recurrent step)."""
+    return n * pool[0].numel() * 4
+
+
+def kv_bytes(batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Bytes of keys and values a decode step's attention reads over the batch's contexts."""
+    return sum(batch.kv_lens) * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4
+
+
 def _wide_call(state_bytes: int, fn, *args, threshold: int | None = None):
     """fn(*args), with all the step's threads when the state it streams is big (`threshold` bytes,
     default WIDE_STATE_BYTES)."""
@@ -126,8 +136,8 @@ def gdn_recurrent(q, k, v, g, beta, *, pool: torch.Tensor, slots: torch.Tensor, 
     ext = _ext_for(q.shape[0], q, k, v, g, beta, pool)
     if ext is None or not pool.is_contiguous():
         return None
-    n, hv, dk, dv = q.shape[0], *pool.shape[1:]
-    return _wide_call(n * hv * dk * dv * 4, ext.gdn_recurrent, q, k, v, g, beta, pool, slots,
+    dk = pool.shape[2]
+    return _wide_call(state_bytes(pool, q.shape[0]), ext.gdn_recurrent, q, k, v, g, beta, pool, slots,
                       dk**-0.5 if scale is None else float(scale), l2)
 
 
@@ -143,8 +153,8 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     ext = _ext_for(n, qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
     if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
         return None
-    _, hv, dk, dv = state_pool.shape
-    return _wide_call(n * hv * dk * dv * 4, ext.gdn_decode, qkv, z, a, b, conv_pool, conv_weight, state_pool,
+    dk = state_pool.shape[2]
+    return _wide_call(state_bytes(state_pool, n), ext.gdn_decode, qkv, z, a, b, conv_pool, conv_weight, state_pool,
                       group.slots, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5, num_k_heads)
 
 
@@ -158,8 +168,8 @@ def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
     ext = _ext_for(qkv.shape[0], qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
     if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
         return None
-    _, hv, dk, dv = state_pool.shape
-    return _wide_call(qkv.shape[0] * hv * dk * dv * 4, ext.gdn_verify, qkv, z, a, b, conv_pool, conv_weight,
+    dk = state_pool.shape[2]
+    return _wide_call(state_bytes(state_pool, qkv.shape[0]), ext.gdn_verify, qkv, z, a, b, conv_pool, conv_weight,
                       state_pool, group.slots, group.cu_seqlens, A_log, dt_bias, norm_weight, norm_eps, dk**-0.5,
                       num_k_heads)
 
@@ -184,6 +194,5 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
         return None
     eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks]
-    kv_bytes = sum(batch.kv_lens) * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4  # keys + values read
-    return _wide_call(kv_bytes, ext.attention_decode, q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions,
+    return _wide_call(kv_bytes(batch, k_cache, v_cache), ext.attention_decode, q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions,
                       k_cache, v_cache, tables, batch.kv_indices, scale, threshold=WIDE_KV_BYTES)

@@ -14,6 +14,7 @@ ordinary allocator.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
@@ -73,10 +74,7 @@ def zeros(layout: list[tuple[tuple[int, ...], torch.dtype]], align: int = 4096) 
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape) * dtype.itemsize
 
 
 def place_weights(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:

@@ -23,9 +23,10 @@ import contextvars
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as torch_module
 
 from kvstate.kernels import Linear, _ext
-from kvstate.kernels.decode import WIDE_KV_BYTES, WIDE_STATE_BYTES
+from kvstate.kernels import decode as kdecode
 from kvstate.kernels.dispatch import _choice
 from kvstate.kernels.threads import _wide
 from kvstate.layers.attention import Attention
@@ -67,12 +68,10 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
         group = batch.groups[0]
         clear_fresh(cache.conv, group)  # entries with an empty cache start from zeros
         clear_fresh(cache.state, group)
-        state = cache.state
-        big = state.shape[1] * state.shape[2] * state.shape[3] * 4 * len(group.slots) >= WIDE_STATE_BYTES
-        return entry.run(x, delta, cache.conv, state, group.slots, wide, big)
-    k, v = cache.k, cache.v
-    big = sum(batch.kv_lens) * k.shape[2] * (k.shape[3] + v.shape[3]) * 4 >= WIDE_KV_BYTES
-    return entry.run(x, delta, k, v, batch.positions, batch.block_tables, batch.kv_indices, wide, big)
+        big = kdecode.state_bytes(cache.state, len(group.slots)) >= kdecode.WIDE_STATE_BYTES
+        return entry.run(x, delta, cache.conv, cache.state, group.slots, wide, big)
+    big = kdecode.kv_bytes(batch, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
+    return entry.run(x, delta, cache.k, cache.v, batch.positions, batch.block_tables, batch.kv_indices, wide, big)
 
 
 def plan(model) -> tuple[list, list]:
@@ -90,8 +89,6 @@ def plan(model) -> tuple[list, list]:
 
 def _hooked(block) -> bool:
     """Any forward hook on the block or inside it (or a global one): its Python must run."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
@@ -100,9 +97,9 @@ def _hooked(block) -> bool:
 def _fused(linears, groups) -> torch.Tensor | None:
     """The fused weight of exactly these linears (bias-free, served dtype), or None."""
     group = getattr(linears[0], "fused_group", None)
-    if any(type(m) is not Linear for m in linears) or group is None or group.members != tuple(linears) or not group.intact() or group.bias is not None:
+    if any(type(m) is not Linear for m in linears) or group is None or group.members != tuple(linears):
         return None
-    if group.weight.dtype not in _WEIGHTS or not group.weight.is_contiguous():
+    if not group.intact() or group.bias is not None or group.weight.dtype not in _WEIGHTS:
         return None
     groups.append(group)
     return group.weight
@@ -146,7 +143,7 @@ def _gdn(ext, block, groups):
     if not (gn.norm_before_gate and gn.activation == "silu" and gn.group_size == m.head_v_dim):
         return None
     return "gdn", ext.GdnBlock(*norm, w_in, m.conv_dim, m.value_dim, m.num_v_heads, m.conv_weight, m.A_log,
-                               m.dt_bias, gn.weight, gn.eps, m.head_k_dim**-0.5, m.num_k_heads, w_out, *tail, "auto")
+                               m.dt_bias, gn.weight, gn.eps, m.head_k_dim**-0.5, m.num_k_heads, w_out, *tail)
 
 
 def _attention(ext, block, groups):
@@ -168,4 +165,4 @@ def _attention(ext, block, groups):
         if 2 * inv_freq.numel() != m.rotary.rotary_dim or not _fp32(inv_freq):
             return None
     return "attention", ext.AttnBlock(*norm, w_qkv, m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim,
-                                      m.output_gate, qn, kn, eps, offset, inv_freq, m.scale, w_o, *tail, "auto")
+                                      m.output_gate, qn, kn, eps, offset, inv_freq, m.scale, w_o, *tail)

@@ -29,6 +29,7 @@ from kvstate.errors import KvstateError
 from kvstate.kernels.dispatch import linear
 from kvstate.layers.moe import Experts
 from kvstate.layers.norm import GatedRMSNorm
+from kvstate.kernels.hugepages import place_weights
 from kvstate.models.build import build_ffn, build_model, fuse_projections, set_weight_dtype
 from kvstate.models.loader import _copy, checkpoint_weight_dtype, open_checkpoint, weight_dtype_of
 from kvstate.parallel.comm import TPGroup
@@ -184,6 +185,7 @@ def load_shard(path, group: TPGroup, *, weight_dtype=None):
                 if name in params:
                     params[name].zero_()
     fuse_projections(model)
+    place_weights(model)  # the streamed matrices on huge pages, as load_model puts them
     parallelize(model, plan, group)
     model.eval()
     model.hf_config = json.loads((Path(path) / "config.json").read_text())

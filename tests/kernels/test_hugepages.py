@@ -101,3 +101,18 @@ def test_placing_weights_never_holds_them_twice():
     moved, grown_kib = int(out[0]), int(out[1])
     assert moved == 8 * (16 << 20)
     assert grown_kib < 48 << 10, f"peak RSS grew {grown_kib} KiB while moving 128 MiB"  # all at once: +128 MiB
+
+
+@needs_thp
+def test_a_tensor_parallel_shard_is_placed_too(tmp_path, monkeypatch):
+    # load_shard (each TP rank's loader) puts its fused matrices on huge pages as load_model does
+    from kvstate.parallel import model as tp_model
+    from kvstate.parallel.comm import TPGroup, free_port
+    from tests.parallel.checkpoints import save_tiny
+
+    monkeypatch.setattr(tp_model, "place_weights", lambda m: hugepages.place_weights(m, min_bytes=0))
+    model, _ = tp_model.load_shard(save_tiny("qwen3_5", tmp_path / "qwen"), TPGroup(0, 1, free_port(), timeout=30))
+    groups = {id(g): g for m in model.modules() if (g := getattr(m, "fused_group", None)) is not None}.values()
+    assert groups and all(g.intact() for g in groups)
+    # an arena's storage is its whole mapping, whole huge pages
+    assert all(g.weight.untyped_storage().nbytes() % hugepages.HUGE == 0 for g in groups)

@@ -11,8 +11,6 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include <optional>
-#include <string>
 #include <tuple>
 
 #include "decode_ops.h"
@@ -34,9 +32,10 @@ struct Threads {
   }
 };
 
-Tensor gemv(const Tensor& x, const Tensor& w, const std::string& isa, int64_t wide) {
+// the best ISA the CPU has: Python runs compiled blocks only when no backend is forced
+Tensor gemv(const Tensor& x, const Tensor& w, int64_t wide) {
   Threads t(wide);
-  return kvstate::op::linear(x, w, isa);
+  return kvstate::op::linear(x, w, "auto");
 }
 
 struct Norm {
@@ -55,12 +54,12 @@ std::tuple<Tensor, Tensor> add_norm(const Tensor& x, const OptT& delta, const No
 struct Mlp {
   Norm norm;
   Tensor w_gu, w_down;
-  std::tuple<Tensor, Tensor> run(const Tensor& x, const Tensor& mixed, const std::string& isa, int64_t wide) const {
+  std::tuple<Tensor, Tensor> run(const Tensor& x, const Tensor& mixed, int64_t wide) const {
     auto [sum, h] = kvstate::op::add_rms_norm(x, mixed, norm.w, norm.eps, norm.offset);
-    const Tensor gu = gemv(h, w_gu, isa, wide);
+    const Tensor gu = gemv(h, w_gu, wide);
     const int64_t I = w_down.size(1);
     const Tensor act = kvstate::op::silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
-    return {sum, gemv(act, w_down, isa, wide)};
+    return {sum, gemv(act, w_down, wide)};
   }
 };
 
@@ -73,13 +72,12 @@ struct GdnBlock {
   int64_t num_k_heads;
   Tensor w_out;
   Mlp mlp;
-  std::string isa;
 
   // -> (x + delta, the block's output delta); the pools updated in place at `slots`
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor conv_pool, Tensor state_pool,
                                  const Tensor& slots, int64_t wide, bool state_wide) const {
     auto [sum, h] = add_norm(x, delta, norm);
-    const Tensor p = gemv(h, w_in, isa, wide);
+    const Tensor p = gemv(h, w_in, wide);
     const int64_t n_a = p.size(1) - n_qkv - n_z - n_b;
     Tensor o;
     {
@@ -88,7 +86,7 @@ struct GdnBlock {
                                   p.narrow(1, n_qkv + n_z, n_b), conv_pool, conv_w, state_pool, slots, A_log, dt_bias,
                                   norm_w, norm_eps, scale, num_k_heads);
     }
-    return mlp.run(sum, gemv(o, w_out, isa, wide), isa, wide);
+    return mlp.run(sum, gemv(o, w_out, wide), wide);
   }
 };
 
@@ -103,15 +101,14 @@ struct AttnBlock {
   double scale;
   Tensor w_o;
   Mlp mlp;
-  std::string isa;
 
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
                                  const Tensor& positions, const Tensor& tables, const Tensor& kv_indices, int64_t wide,
                                  bool kv_wide) const {
     auto [sum, h] = add_norm(x, delta, norm);
-    const Tensor p = gemv(h, w_qkv, isa, wide);
+    const Tensor p = gemv(h, w_qkv, wide);
     const int64_t n = p.size(0), nq = H * D * (gated ? 2 : 1), nk = Hkv * D;
-    Tensor q = p.narrow(1, 0, nq), gate;
+    Tensor q = p.narrow(1, 0, nq);
     OptT g;
     if (gated) {
       const Tensor qg = q.view({n, H, 2 * D});
@@ -127,7 +124,7 @@ struct AttnBlock {
       o = kvstate::op::attention_decode(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions, k_cache,
                                         v_cache, tables, kv_indices, scale);
     }
-    return mlp.run(sum, gemv(o, w_o, isa, wide), isa, wide);
+    return mlp.run(sum, gemv(o, w_o, wide), wide);
   }
 };
 
@@ -141,10 +138,9 @@ void register_decode_blocks(pybind11::module_& m) {
       .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_in, int64_t n_qkv, int64_t n_z,
                        int64_t n_b, Tensor conv_w, Tensor A_log, Tensor dt_bias, Tensor gnorm_w, double gnorm_eps,
                        double scale, int64_t num_k_heads, Tensor w_out, Tensor ffn_norm_w, double ffn_eps,
-                       double ffn_offset, Tensor w_gu, Tensor w_down, std::string isa) {
+                       double ffn_offset, Tensor w_gu, Tensor w_down) {
              return GdnBlock{{norm_w, norm_eps, norm_offset}, w_in, n_qkv, n_z, n_b, conv_w, A_log, dt_bias, gnorm_w,
-                             gnorm_eps, scale, num_k_heads, w_out, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down},
-                             isa};
+                             gnorm_eps, scale, num_k_heads, w_out, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}};
            }))
       .def("run", &GdnBlock::run, py::arg("x"), py::arg("delta"), py::arg("conv_pool"), py::arg("state_pool"),
            py::arg("slots"), py::arg("wide"), py::arg("state_wide"));
@@ -152,9 +148,9 @@ void register_decode_blocks(pybind11::module_& m) {
       .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_qkv, int64_t H, int64_t Hkv,
                        int64_t D, int64_t Dv, bool gated, OptT q_norm, OptT k_norm, double qk_eps, double qk_offset,
                        OptT inv_freq, double scale, Tensor w_o, Tensor ffn_norm_w, double ffn_eps, double ffn_offset,
-                       Tensor w_gu, Tensor w_down, std::string isa) {
+                       Tensor w_gu, Tensor w_down) {
              return AttnBlock{{norm_w, norm_eps, norm_offset}, w_qkv, H, Hkv, D, Dv, gated, q_norm, k_norm, qk_eps,
-                              qk_offset, inv_freq, scale, w_o, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}, isa};
+                              qk_offset, inv_freq, scale, w_o, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}};
            }))
       .def("run", &AttnBlock::run, py::arg("x"), py::arg("delta"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("wide"), py::arg("kv_wide"));
