@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvstate.errors import KvstateError
+
 HUGE = 2 << 20  # the x86-64 / arm64 transparent huge page
 MIN_BYTES = 1 << 20  # smaller tensors stay where they are (a huge page each would waste memory)
 ENV = "KVSTATE_HUGEPAGES"
@@ -31,8 +33,11 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def unavailable_reason() -> str | None:
     """Why huge pages are not used here (None when they are)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "no", "off", "false"):
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value in ("0", "no", "off", "false"):
         return f"turned off ({ENV}=0)"
+    if value not in ("1", "yes", "on", "true", ""):
+        raise KvstateError(f"{ENV}={value!r}: expected 1 or 0 (on or off)")
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return "not Linux"
     try:

@@ -39,6 +39,18 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert hugepages.arena(1 << 20) is None and hugepages.zeros([((4,), torch.float32)]) is None
 
 
+def test_a_bad_setting_is_one_line_at_the_command(monkeypatch, capsys):
+    from kvstate.cli import main
+    from kvstate.errors import KvstateError
+
+    monkeypatch.setenv(hugepages.ENV, "banana")
+    with pytest.raises(KvstateError, match="KVSTATE_HUGEPAGES='banana': expected 1 or 0"):
+        hugepages.unavailable_reason()
+    assert main(["generate", "hi", "--max-tokens", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "KVSTATE_HUGEPAGES='banana'" in err and err.count("\n") == 1
+
+
 @needs_thp
 @pytest.mark.parametrize("tied", [False, True])
 def test_placing_weights_changes_no_number(tmp_path, tied):
