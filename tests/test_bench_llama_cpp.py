@@ -25,7 +25,10 @@ if {fail}:
     print("error: failed to load model", file=sys.stderr)
     sys.exit(1)
 opt = dict(zip(args[::2], args[1::2]))
-tests = [(int(opt["-p"]), 0, 173.5), (0, int(opt["-n"]), 25.25)]
+if {signal!r}:
+    import os, signal
+    os.kill(os.getpid(), getattr(signal, {signal!r}))
+tests = [t for t in [(int(opt["-p"]), 0, 173.5), (0, int(opt["-n"]), 25.25)] if t[0] or t[1]]
 print(json.dumps([dict(model_filename=opt["-m"], model_type="qwen35 ?B BF16", model_size=1123456789,
                        model_n_params=561000000, n_threads=int(opt["-t"]), n_prompt=p, n_gen=n, n_depth=0,
                        avg_ns=1, stddev_ns=0, avg_ts=ts, stddev_ts=0.5, samples_ts=[ts]) for p, n, ts in tests],
@@ -33,9 +36,9 @@ print(json.dumps([dict(model_filename=opt["-m"], model_type="qwen35 ?B BF16", mo
 """
 
 
-def fake_llama_bench(tmp_path, fail=False):
+def fake_llama_bench(tmp_path, fail=False, signal=None):
     path = tmp_path / "llama-bench"
-    path.write_text(FAKE.format(python=sys.executable, log=str(tmp_path / "args.json"), fail=fail))
+    path.write_text(FAKE.format(python=sys.executable, log=str(tmp_path / "args.json"), fail=fail, signal=signal))
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     gguf = tmp_path / "model-bf16.gguf"
     gguf.write_bytes(b"GGUF")
@@ -169,3 +172,24 @@ def test_bench_engine_reports_unmeasurable_decode_rows(capsys, monkeypatch):
     console = Console(file=io.StringIO(), width=200)
     show(console, out)  # prints "-" for them
     assert "decode" in console.file.getvalue()
+
+
+def test_a_llama_bench_killed_by_a_signal_says_which(tmp_path):
+    """A llama.cpp build that runs an instruction the machine lacks dies of SIGILL and prints nothing:
+    the error names the signal and the command, not 'exited with -4: (no message)'."""
+    binary, gguf = fake_llama_bench(tmp_path, signal="SIGILL")
+    with pytest.raises(KvstateError, match=r"killed by SIGILL \(an instruction this CPU.*-p 512 -n 64"):
+        run_llama_bench(binary, gguf)
+
+
+def test_llama_prompt_0_runs_llama_cpp_decode_only(capsys, tmp_path):
+    binary, gguf = fake_llama_bench(tmp_path)
+    argv = ["bench", "engine", "--quick", "--no-reference", "--batches", "1", "--prompt-len", "6", "--new-tokens", "4",
+            "--prefill-len", "12", "--threads", "1", "--llama-bench", binary, "--gguf", gguf, "--json"]
+    assert main(argv + ["--llama-prompt", "0"]) == 0
+    assert json.loads((tmp_path / "args.json").read_text())[2:] == ["-t", "1", "-p", "0", "-n", "64", "-o", "json"]
+    out = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in out["llama_cpp"]] == ["tg64"] and list(out["vs_llama_cpp"]) == [
+        "decode b=1 vs model-bf16.gguf tg64"]
+    assert main(argv + ["--llama-prompt", "-1"]) == 2
+    assert "--llama-prompt -1: a token count >= 0" in capsys.readouterr().err

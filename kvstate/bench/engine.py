@@ -41,6 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf", metavar="FILE", action="append", default=[],
                         help="the same model as GGUF for --llama-bench (repeatable: f32, bf16, ...)")
     parser.add_argument("--llama-gen", type=int, default=64, help="llama-bench's decode tokens, -n (default 64)")
+    parser.add_argument("--llama-prompt", type=int, default=None, metavar="N",
+                        help="llama-bench's prefill tokens, -p (default: --prefill-len; 0: decode only)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --llama-bench: also alternate N batch-1 decode runs of kvstate and "
                              "llama.cpp and print the median ratio (a noisy machine's minutes differ)")
@@ -57,15 +59,19 @@ def _check_llama_args(args) -> None:
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
     if args.rounds < 1 or (args.rounds > 1 and not args.llama_bench):
         raise KvstateError(f"--rounds {args.rounds}: a count >= 1, above 1 only with --llama-bench")
+    if args.llama_prompt is not None and args.llama_prompt < 0:
+        raise KvstateError(f"--llama-prompt {args.llama_prompt}: a token count >= 0 (0: llama.cpp's decode only)")
     for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
         if path and not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the weights a decode step reads: all parameters but the embedding table (tied heads count once)."""
+    """Bytes of the weights a decode step reads: all parameters but the embedding table (tied heads count
+    once), and int8 weights' per-row scales."""
     seen, total = set(), 0
-    for name, p in model.named_parameters():
+    scales = [(n, b) for n, b in model.named_buffers() if n.endswith("weight_scale")]
+    for name, p in list(model.named_parameters()) + scales:
         if id(p) in seen or name.startswith("embed_tokens"):
             continue
         seen.add(id(p))
@@ -76,7 +82,7 @@ def weight_bytes(model) -> int:
 
 
 def _sides(args, tmp: str, llm_args: dict):
-    """(kvstate LLM, transformers model or None, label) of --model or of a random checkpoint."""
+    """(kvstate LLM, transformers model or None, label, checkpoint path) of --model or of a random checkpoint."""
     from kvstate.engine.llm import LLM
 
     if args.model is None:
@@ -84,7 +90,7 @@ def _sides(args, tmp: str, llm_args: dict):
 
         size = "quick" if args.quick else "0.5b"
         path, hf = qwen3_5_checkpoint(size, tmp)
-        return LLM(path, **llm_args), (None if args.no_reference else hf), f"random Qwen3.5-style {size}"
+        return LLM(path, **llm_args), (None if args.no_reference else hf), f"random Qwen3.5-style {size}", path
     from kvstate.config import read_plan
     from kvstate.errors import KvstateError
     from kvstate.hub import resolve_checkpoint
@@ -96,7 +102,7 @@ def _sides(args, tmp: str, llm_args: dict):
         raise KvstateError(f"--prefill-len or --prompt-len + --new-tokens: {needed} tokens, more than the model's "
                            f"max_position_embeddings {limit}")
     llm = LLM(path, **{**llm_args, "max_model_len": min(needed + 16, limit or needed + 16)})
-    return llm, (None if args.no_reference else _reference(path)), llm.plan.name
+    return llm, (None if args.no_reference else _reference(path)), llm.plan.name, path
 
 
 def _reference(path):
@@ -119,7 +125,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvstate.bench.timing import measure_read_bandwidth, start
-    from kvstate.engine.params import SamplingParams
 
     _check_llama_args(args)
     profile_batches = [int(b) for b in args.profile.split(",")] if args.profile else []
@@ -134,7 +139,28 @@ def run(args: argparse.Namespace) -> int:
                     max_model_len=max(prefill_len, plen + new) + 16, weight_dtype=args.weight_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
-            llm, hf, label = _sides(args, tmp, llm_args)
+            llm, hf, label, path = _sides(args, tmp, llm_args)
+        result = _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_len, batches,
+                          profile_batches)
+        if args.weight_dtype == "int8":  # what int8 costs in logits, against the same checkpoint in fp32
+            from kvstate.bench.quant_error import logit_error
+
+            with console.status("int8 logits against the fp32 model"):
+                ids = torch.randint(0, llm.plan.vocab_size, (plen,), generator=torch.Generator().manual_seed(1))
+                result["int8_logit_error"] = logit_error(path, llm.model, ids.tolist())
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    show(console, result)
+    return 0
+
+
+def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_len, batches, profile_batches):
+    """The timings of `run`, as the result dict (--json's form)."""
+    import torch
+
+    from kvstate.engine.params import SamplingParams
+
     vocab = llm.plan.vocab_size
     g = torch.Generator().manual_seed(0)
     spec = llm.runner.spec
@@ -213,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
 
         with console.status("llama.cpp: llama-bench"):
             llama_rows, vs_llama = compare(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
-                                           prompt=prefill_len, gen=args.llama_gen,
+                                           prompt=prefill_len if args.llama_prompt is None else args.llama_prompt,
+                                           gen=args.llama_gen,
                                            embedding_params=vocab * llm.plan.hidden_size,
                                            decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
                                            prefill=speed.get(("kvstate", "prefill", 1), 0.0))
@@ -231,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
     scaling = ends[0] / ends[1] if all(ends) else None
-    wdtype = str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
+    wdtype = "int8" if args.weight_dtype == "int8" else str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
     from kvstate.kernels import hugepages
 
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
@@ -242,12 +269,8 @@ def run(args: argparse.Namespace) -> int:
                                huge_page_bytes=hugepages.huge_bytes(), huge_pages_off=hugepages.unavailable_reason()),
                   rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
-                  vs_llama_cpp_rounds=rounds)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    show(console, result)
-    return 0
+                  vs_llama_cpp_rounds=rounds, int8_logit_error=None)
+    return result
 
 
 def show(console, result: dict) -> None:
@@ -280,6 +303,11 @@ def show(console, result: dict) -> None:
                       f"{gbps:.1f}" if gbps else "-",
                       f"{100 * gbps / m['read_bandwidth_gbps']:.0f}%" if gbps else "-")
     console.print(table)
+    q = result.get("int8_logit_error")
+    if q:
+        console.print(f"int8 weights vs the same checkpoint in fp32, one {q['positions']}-token prompt: logits "
+                      f"{100 * q['rel']:.2f}% relative error (worst position {100 * q['max_rel']:.2f}%), "
+                      f"top-1 token the same at {100 * q['top1']:.1f}% of positions")
     for k, v in result["speedup_vs_transformers"].items():
         console.print(f"kvstate / transformers, {k}: {v:.2f}x")
     batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})

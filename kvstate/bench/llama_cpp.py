@@ -83,10 +83,24 @@ def run_llama_bench(binary: str, gguf: str, *, threads: int = 2, prompt: int = 5
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KvstateError(f"llama-bench did not run: {exc}") from None
+    if done.returncode < 0:  # killed by a signal: it prints nothing
+        name = _signal_name(-done.returncode)
+        hint = (" (an instruction this CPU or VM does not run: rebuild llama.cpp here, or try --llama-prompt 0 "
+                "if only its prefill path uses it)") if name == "SIGILL" else ""
+        raise KvstateError(f"llama-bench was killed by {name}{hint}: {' '.join(cmd[1:])}")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise KvstateError(f"llama-bench exited with {done.returncode}: {last[:200]}")
     return parse_results(done.stdout)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def compare(binary: str, ggufs: list[str], *, threads: int, prompt: int, gen: int, embedding_params: int,

@@ -20,18 +20,19 @@ def _positive_int(text: str) -> int:
 
 
 def weight_dtype_arg(text: str) -> str:
-    """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, as its canonical name."""
-    from kvstate.config.dtypes import canonical_dtype
+    """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, or int8, as its canonical name."""
+    from kvstate.config.dtypes import canonical_weight_dtype
 
-    name = canonical_dtype(text)
-    if name not in ("bfloat16", "float32"):
-        raise argparse.ArgumentTypeError(f"expected bf16 or fp32 (or bfloat16, float32), got {text!r}")
+    name = canonical_weight_dtype(text)
+    if name not in ("bfloat16", "float32", "int8"):
+        raise argparse.ArgumentTypeError(f"expected bf16, fp32 or int8 (or bfloat16, float32), got {text!r}")
     return name
 
 
 def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-dtype", type=weight_dtype_arg, default=None, metavar="DTYPE",
-                        help="keep the weight matrices in bf16 or fp32; math stays fp32 (default: the checkpoint's)")
+                        help="keep the weight matrices in bf16 or fp32, or the projections in int8 with per-row "
+                             "scales; math stays fp32 (default: the checkpoint's)")
 
 
 def add_tp_arg(parser: argparse.ArgumentParser) -> None:

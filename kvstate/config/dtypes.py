@@ -35,6 +35,14 @@ def canonical_dtype(name: object) -> str | None:
     return key if key in DTYPE_BYTES else None
 
 
+def canonical_weight_dtype(name: object) -> str | None:
+    """A weight dtype: "int8" (weight-only quantization with per-row scales, kernels.quant), or a
+    float dtype's canonical name from any spelling `canonical_dtype` takes; None if unknown."""
+    if isinstance(name, str) and name.strip().lower() in ("int8", "torch.int8"):
+        return "int8"
+    return canonical_dtype(name)
+
+
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype given by any accepted spelling (ValueError if unknown)."""
     canonical = canonical_dtype(name)

@@ -1,9 +1,10 @@
 """`linear(x, weight, bias)`: the compiled skinny GEMM for decode-sized inputs, torch otherwise.
 
 The extension serves CPU float32 x with at most `MAX_ROWS` rows (all leading dimensions
-flattened; `MAX_ROWS_BF16` for bf16 weights) and a contiguous float32 or bfloat16 weight,
-outside autograd. Everything else, and everything when the extension is missing, runs
-`F.linear` in x's dtype (a bf16 weight is upcast first, which is exact). The choice can be
+flattened; `MAX_ROWS_BF16` for bf16 and int8 weights) and a contiguous float32, bfloat16 or int8
+(with its per-row `scale`, `kernels.quant`) weight, outside autograd. Everything else, and
+everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
+first, which is exact; an int8 one is dequantized, q * scale). The choice can be
 forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in the environment (read at import), or
 `with kernels.backend("torch"):` (tests), which wins.
 """
@@ -41,7 +42,7 @@ def backend_from_env() -> str:
 # Read once, at import: a decode step makes ~200 calls and an environment lookup costs as much
 # as the rest of the dispatch. A bad value is reported by the first call, not by the import.
 _DEFAULT = backend_from_env()
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _choice() -> str:
@@ -64,13 +65,22 @@ def backend(name: str):
         _forced.reset(token)
 
 
-def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fallback: F.linear in x's dtype (bf16 -> fp32 weights are upcast exactly)."""
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The fallback: F.linear in x's dtype (bf16 -> fp32 weights are upcast exactly, int8 ones
+    dequantized with their per-row scale)."""
+    if scale is not None:
+        weight = (weight.to(torch.float32) * scale.to(torch.float32)[:, None]).to(x.dtype)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if (weight.dtype == torch.int8) != (scale is not None):
+        raise ValueError("an int8 weight needs its per-row scale, and only an int8 weight takes one")
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -89,33 +99,40 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return True
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32 or bfloat16, fp32 math.
-    Inside `threads.small_ops_serial()` the call gets all the threads back (it streams the weights)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32, bfloat16 or int8 (times its
+    per-row `scale`), fp32 math. Inside `threads.small_ops_serial()` the call gets all the threads
+    back (it streams the weights)."""
     wide = _wide.get()
     if wide is None:
-        return _linear(x, weight, bias)
+        return _linear(x, weight, bias, scale)
     torch.set_num_threads(wide)  # ~1 us each way, inline: a context manager would cost more than that
     try:
-        return _linear(x, weight, bias)
+        return _linear(x, weight, bias, scale)
     finally:
         torch.set_num_threads(1)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is not None or weight.dtype == torch.int8:
+        _check_scale(weight, scale)
     choice = _choice()
     if choice != "torch" and _eligible(x, weight, bias):
         flat = x.dim() == 2
         rows = x.shape[0] if flat else math.prod(x.shape[:-1])
-        limit = MAX_ROWS_BF16 if weight.dtype == torch.bfloat16 else MAX_ROWS
+        limit = MAX_ROWS if weight.dtype == torch.float32 else MAX_ROWS_BF16
         ext = _ext.load() if rows <= limit else None
         if ext is not None:
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
                 bias = bias.float().contiguous()
             x2 = x if flat else x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous
-            y = ext.linear(x2, weight, bias, choice)
+            if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
+                scale = scale.float().contiguous()
+            y = ext.linear(x2, weight, bias, choice, scale=scale)
             return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
-    return torch_linear(x, weight, bias)
+    return torch_linear(x, weight, bias, scale)
 
 
 def info() -> dict:

@@ -18,7 +18,8 @@ from kvstate.kernels.dispatch import linear
 
 
 class FusedGroup:
-    """The concatenated weight [sum N_i, K] (and bias) of `members`, each a row view of it."""
+    """The concatenated weight [sum N_i, K] (and bias, and int8 weights' per-row scale) of
+    `members`, each a row view of it."""
 
     def __init__(self, members: tuple[nn.Linear, ...]):
         weights = [m.weight for m in members]
@@ -26,10 +27,14 @@ class FusedGroup:
         self.sizes = [w.shape[0] for w in weights]
         self.weight = torch.cat([w.detach() for w in weights])  # [sum N, K]
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        for m, w, b, old in zip(members, self.weight.split(self.sizes), self._bias_parts(), weights):
+        scales = [_scale(m) for m in members]
+        self.scale = None if scales[0] is None else torch.cat(scales)  # [sum N]
+        for i, (m, w, b, old) in enumerate(zip(members, self.weight.split(self.sizes), self._bias_parts(), weights)):
             m.weight = nn.Parameter(w, requires_grad=old.requires_grad)
             if b is not None:
                 m.bias = nn.Parameter(b, requires_grad=m.bias.requires_grad)
+            if self.scale is not None:
+                m.weight_scale = self.scale.split(self.sizes)[i]
 
     def _bias_parts(self):
         return self.bias.split(self.sizes) if self.bias is not None else [None] * len(self.sizes)
@@ -40,11 +45,17 @@ class FusedGroup:
         return self.members[0].weight.data_ptr() == self.weight.data_ptr()
 
 
+def _scale(m: nn.Linear) -> torch.Tensor | None:
+    return getattr(m, "weight_scale", None)
+
+
 def fuse(*linears: nn.Linear) -> FusedGroup | None:
-    """Fuse linears of one input (same K, weight dtype and device; biases all or none); None if they differ."""
+    """Fuse linears of one input (same K, weight dtype and device; biases and scales all or none);
+    None if they differ."""
     first = linears[0]
     if any(m.weight.shape[1] != first.weight.shape[1] or m.weight.dtype != first.weight.dtype
-           or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None) for m in linears):
+           or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
+           or (_scale(m) is None) != (_scale(first) is None) for m in linears):
         return None
     group = FusedGroup(tuple(linears))
     for m in linears:
@@ -60,5 +71,5 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if group is not None and not training and group.members == linears and group.intact():
         # split_with_sizes, not Tensor.split: no Python wrapper (called cold after every fused
         # projection: ~50 us less per call on the 0.5b model's machine, 48 calls a step)
-        return list(linear(x, group.weight, group.bias).split_with_sizes(group.sizes, -1))
+        return list(linear(x, group.weight, group.bias, group.scale).split_with_sizes(group.sizes, -1))
     return [m(x) for m in linears]

@@ -1,8 +1,10 @@
-"""`Linear`: an nn.Linear whose weight may be stored in bf16 while the math stays fp32.
+"""`Linear`: an nn.Linear whose weight may be stored in bf16 (or int8) while the math stays fp32.
 
 A drop-in for the model layers (phase 2 of issue 9): same parameter names and state-dict keys
 as nn.Linear, so checkpoints load unchanged; a bf16 checkpoint's weights are kept as they are
 (half the bytes to stream per decode step) and widened exactly inside `kvstate.kernels.linear`.
+`kernels.quant` may store the weight as int8 with a per-row `weight_scale` (a buffer, None
+otherwise).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  weight_dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.register_buffer("weight_scale", None)
         if weight_dtype is not None and weight_dtype != self.weight.dtype:
             self.weight = nn.Parameter(self.weight.detach().to(weight_dtype), requires_grad=self.weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
     @classmethod
     def from_linear(cls, module: nn.Linear, weight_dtype: torch.dtype | None = None) -> Linear:
@@ -36,7 +39,9 @@ class Linear(nn.Linear):
             weight = nn.Parameter(weight.detach().to(weight_dtype), requires_grad=weight.requires_grad)
         out.weight = weight
         out.bias = module.bias
+        out.register_buffer("weight_scale", getattr(module, "weight_scale", None))
         return out
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, weight_dtype={self.weight.dtype}"
+        scaled = ", per-row scales" if self.weight_scale is not None else ""
+        return f"{super().extra_repr()}, weight_dtype={self.weight.dtype}{scaled}"

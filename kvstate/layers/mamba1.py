@@ -23,6 +23,8 @@ OPS = RecurrentOps(chunk_selective_scan, recurrent_selective_scan)
 
 
 class Mamba1(nn.Module):
+    weight_read = ("dt_proj",)  # projections read as a tensor, not called (kernels.quant keeps them)
+
     def __init__(self, hidden_size: int, d_inner: int, d_state: int, conv_kernel: int, dt_rank: int, *,
                  eps: float = 1e-6, conv_bias: bool = True, proj_bias: bool = False, inner_norms: bool = True,
                  act: str = "silu"):

@@ -25,6 +25,8 @@ LATENT_NORM_EPS = 1e-6  # transformers builds kv_a_layernorm / q_a_layernorm wit
 
 
 class MLA(nn.Module):
+    weight_read = ("kv_b_proj",)  # projections read as a tensor, not called (kernels.quant keeps them)
+
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, *, q_lora_rank: int | None = None, bias: bool = False):
         super().__init__()

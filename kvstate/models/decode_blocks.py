@@ -9,7 +9,8 @@ order, so its numbers are the per-op path's, bit for bit; only the Python goes.
 
 `plan(model)` prepares one compiled block per block it can serve: a Gated DeltaNet (SiLU conv) or
 full-attention mixer whose projections are fused (`kernels.fused`) and bias-free, between two
-RMSNorms, then a SiLU gated MLP, weights fp32 or bf16, small parameters fp32. Any other block
+RMSNorms, then a SiLU gated MLP, weights fp32, bf16 or int8 (with per-row scales), small
+parameters fp32. Any other block
 (MoE, Mamba, KDA, MLA, biases, a module with forward hooks such as tensor parallelism's all-reduce)
 keeps the per-op path: the decoder mixes both freely.
 `for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
@@ -36,7 +37,7 @@ from kvstate.layers.norm import RMSNorm
 from kvstate.layers.recurrence import clear_fresh
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstate_per_op_blocks", default=False)
-_WEIGHTS = (torch.float32, torch.bfloat16)
+_WEIGHTS = (torch.float32, torch.bfloat16, torch.int8)
 
 
 @contextlib.contextmanager
@@ -94,15 +95,15 @@ def _hooked(block) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
 
 
-def _fused(linears, groups) -> torch.Tensor | None:
-    """The fused weight of exactly these linears (bias-free, served dtype), or None."""
+def _fused(ext, linears, groups):
+    """The fused weight (`ext.Weight`) of exactly these linears (bias-free, served dtype), or None."""
     group = getattr(linears[0], "fused_group", None)
     if any(type(m) is not Linear for m in linears) or group is None or group.members != tuple(linears):
         return None
     if not group.intact() or group.bias is not None or group.weight.dtype not in _WEIGHTS:
         return None
     groups.append(group)
-    return group.weight
+    return ext.Weight(group.weight, group.scale)
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:
@@ -110,11 +111,14 @@ def _fp32(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
 
 
-def _plain(linear) -> torch.Tensor | None:
+def _plain(ext, linear):
+    """The weight (`ext.Weight`) of a bias-free Linear of a served dtype, or None."""
     if type(linear) is not Linear:  # a subclass may do more than the GEMV
         return None
     w = linear.weight
-    return w if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2 else None
+    if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2:
+        return ext.Weight(w, linear.weight_scale)
+    return None
 
 
 def _norm(norm) -> tuple | None:
@@ -123,20 +127,20 @@ def _norm(norm) -> tuple | None:
     return norm.weight, norm.eps, norm.offset
 
 
-def _tail(block, groups) -> tuple | None:
+def _tail(ext, block, groups) -> tuple | None:
     """(ffn norm weight, eps, offset, w_gate_up, w_down) for a SiLU gated MLP, or None."""
     ffn, norm = block.ffn, _norm(block.ffn_norm) if block.ffn is not None else None
     if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu:
         return None
-    w_gu, w_down = _fused((ffn.gate_proj, ffn.up_proj), groups), _plain(ffn.down_proj)
+    w_gu, w_down = _fused(ext, (ffn.gate_proj, ffn.up_proj), groups), _plain(ext, ffn.down_proj)
     return None if w_gu is None or w_down is None else (*norm, w_gu, w_down)
 
 
 def _gdn(ext, block, groups):
     m = block.mixer
-    norm, tail = _norm(block.input_norm), _tail(block, groups)
-    w_in = _fused((m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), groups)
-    w_out, gn = _plain(m.out_proj), m.norm
+    norm, tail = _norm(block.input_norm), _tail(ext, block, groups)
+    w_in = _fused(ext, (m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a), groups)
+    w_out, gn = _plain(ext, m.out_proj), m.norm
     small = (m.conv_weight, m.A_log, m.dt_bias, gn.weight)
     if None in (norm, tail, w_in, w_out) or m.act != "silu" or not _fp32(*small):
         return None
@@ -148,8 +152,8 @@ def _gdn(ext, block, groups):
 
 def _attention(ext, block, groups):
     m = block.mixer
-    norm, tail = _norm(block.input_norm), _tail(block, groups)
-    w_qkv, w_o = _fused((m.q_proj, m.k_proj, m.v_proj), groups), _plain(m.o_proj)
+    norm, tail = _norm(block.input_norm), _tail(ext, block, groups)
+    w_qkv, w_o = _fused(ext, (m.q_proj, m.k_proj, m.v_proj), groups), _plain(ext, m.o_proj)
     if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None):
         return None
     qn = kn = None

@@ -18,15 +18,16 @@ import torch
 from safetensors import safe_open
 
 from kvstate.config import read_plan
-from kvstate.config.dtypes import canonical_dtype
+from kvstate.config.dtypes import canonical_weight_dtype
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
+from kvstate.kernels.quant import quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
-WEIGHT_DTYPES = ("float32", "bfloat16")  # canonical names load_model's weight_dtype accepts
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")  # canonical names load_model's weight_dtype accepts
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -57,13 +58,13 @@ def family_of(plan):
 
 def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     """A weight dtype from any spelling `kvstate memory` takes ("bf16", "float32", torch.bfloat16),
-    None for None (the checkpoint's); anything else is one KvstateError."""
+    or "int8"; None for None (the checkpoint's); anything else is one KvstateError."""
     if name is None or isinstance(name, torch.dtype):
         canonical = None if name is None else str(name).removeprefix("torch.")
     else:
-        canonical = canonical_dtype(name)
+        canonical = canonical_weight_dtype(name)
     if name is not None and canonical not in WEIGHT_DTYPES:
-        raise KvstateError(f"weight dtype {name!r}: expected bf16 or fp32 (or bfloat16, float32)")
+        raise KvstateError(f"weight dtype {name!r}: expected bf16, fp32 or int8 (or bfloat16, float32)")
     return None if canonical is None else getattr(torch, canonical)
 
 
@@ -101,13 +102,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     `progress(bytes_done, bytes_total)`, if given, is called as tensors load (for a progress bar).
     `weight_dtype` ("bf16", "fp32", a torch dtype; None: the checkpoint's) stores the big matrices
-    (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`."""
+    (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`.
+    "int8" loads the checkpoint's dtype, then stores the projections as int8 with per-row scales
+    (`kernels.quant`; embeddings and experts stay as loaded)."""
     path, plan, family, opts, files = open_checkpoint(path)
     wanted = weight_dtype_of(weight_dtype)
+    quantize = wanted == torch.int8
+    if quantize and dtype != torch.float32:
+        raise KvstateError("int8 weights take float32 activations (the kernels' math)")
     model = build_model(plan, opts, device="meta")
     model.to(dtype)  # on meta: nothing is allocated yet
     if dtype == torch.float32:
-        set_weight_dtype(model, wanted or checkpoint_weight_dtype(files))
+        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files))
     model.to_empty(device="cpu")
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
         model.lm_head.weight = model.embed_tokens.weight
@@ -132,6 +138,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
+    if quantize:
+        quantize_linears(model)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
     place_weights(model)  # the streamed matrices on huge pages (~1.2x faster decode), where the OS has them
     model.eval()

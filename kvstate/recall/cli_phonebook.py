@@ -4,7 +4,8 @@ Runs `phonebook_eval.phonebook_curve` on any loadable checkpoint with a tokenize
 a hub id, or a shipped model's name; default: kvstate-phonebook-hybrid) and prints a table of
 accuracy, prompt length, KV bytes and state bytes per book size; `--plot FILE` draws the curve,
 `--json` prints the rows (keys: entries, prompt_tokens, accuracy, kv_bytes, state_bytes). `--model`
-repeated compares models: a table each, one plot, and JSON as name -> rows.
+repeated compares models: a table each, one plot, and JSON as name -> rows. `--weight-dtype` as
+`generate` takes it (int8: recall with quantized projections).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the books (default: 0)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="write accuracy vs book size (.png or .svg)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (no progress bar)")
+    from kvstate.commands.engine_args import add_weight_dtype
+
+    add_weight_dtype(parser)  # e.g. int8: does the model still recall exactly with quantized projections?
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=True)
     curves: dict[str, list[dict]] = {}
     for name, path in zip(names, paths):
-        llm = LLM(path, seed=args.seed)
+        llm = LLM(path, seed=args.seed, weight_dtype=args.weight_dtype)
         try:
             with _bar(console, str(name), len(sizes), enabled=not args.json) as advance:
                 curves[str(name)] = phonebook_curve(llm, sizes, queries=args.queries, seed=args.seed,

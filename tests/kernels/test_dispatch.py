@@ -140,9 +140,9 @@ class _Spy:
     def __init__(self, ext, calls):
         self.ext, self.calls = ext, calls
 
-    def linear(self, x, w, b, isa):
+    def linear(self, x, w, b, isa, scale=None):
         self.calls.append(isa)
-        return self.ext.linear(x, w, b, isa)
+        return self.ext.linear(x, w, b, isa, scale=scale)
 
     def isas(self):
         return self.ext.isas()

@@ -1,6 +1,6 @@
 """The compiled decode blocks (`kvstate.models.decode_blocks`: one extension call per block) give
 the per-op path's logits bit for bit: Qwen3.5 (Gated DeltaNet, gated attention with q/k norms and
-partial rotary) and Llama (plain attention), fp32 and bf16 weights, one sequence and a batch in
+partial rotary) and Llama (plain attention), fp32, bf16 and int8 weights, one sequence and a batch in
 scattered slots; blocks they cannot serve (MoE) run op by op in the same step; a plan whose
 weights were replaced since is built again."""
 
@@ -44,7 +44,7 @@ def _both(model, n: int):
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "llama"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("n", [1, 5])
 def test_compiled_blocks_equal_per_op_bitwise(checkpoints, name, weights, n, monkeypatch):
     extension()

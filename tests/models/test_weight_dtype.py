@@ -116,7 +116,7 @@ def test_weight_dtype_on_the_command_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:  # argparse's one line, exit code 2
         main(["generate", "hi", "--model", str(tmp_path), "--weight-dtype", "int4"])
     assert exit_.value.code == 2
-    assert "--weight-dtype: expected bf16 or fp32" in capsys.readouterr().err
+    assert "--weight-dtype: expected bf16, fp32 or int8" in capsys.readouterr().err
 
 
 def test_same_input_projections_run_as_one_call(tmp_path, monkeypatch):
@@ -131,7 +131,7 @@ def test_same_input_projections_run_as_one_call(tmp_path, monkeypatch):
     assert gdn.in_proj_z.weight.data_ptr() == gdn.in_proj_qkv.fused_group.weight.data_ptr() + gdn.in_proj_qkv.weight.numel() * 4
     calls = []
     for mod in (fused_mod, module_mod):
-        monkeypatch.setattr(mod, "linear", lambda x, w, b=None, f=mod.linear: calls.append(w.shape) or f(x, w, b))
+        monkeypatch.setattr(mod, "linear", lambda x, w, *rest, f=mod.linear: calls.append(w.shape) or f(x, w, *rest))
     ids = [random_ids(VOCAB, 3, 5)]
     with torch.no_grad():
         fused = forward_logits(model, ids)[0]

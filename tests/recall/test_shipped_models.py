@@ -110,6 +110,13 @@ def test_recall_phonebook_json(capsys, name):
     assert (rows[0]["kv_bytes"] == 0) == (name == LINEAR)  # no attention layer, no KV cache
 
 
+def test_recall_phonebook_with_int8_projections_still_recalls(capsys):
+    """--weight-dtype int8 (weight-only, per-row scales): the trained hybrid still finds the numbers."""
+    argv = ["recall", "phonebook", "--model", HYBRID, "--entries", "4", "--queries", "16", "--seed", "7", "--json"]
+    assert main(argv + ["--weight-dtype", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["accuracy"] >= 0.75
+
+
 def test_recall_phonebook_bad_input_is_one_line(capsys, tmp_path):
     no_tok = tmp_path / "no-tokenizer"
     shutil.copytree(kvstate.model_path(LINEAR), no_tok)

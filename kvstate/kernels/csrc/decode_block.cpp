@@ -32,10 +32,16 @@ struct Threads {
   }
 };
 
+// A weight matrix [N, K] (fp32, bf16, or int8 with its per-row scale [N]).
+struct Weight {
+  Tensor w;
+  OptT scale;
+};
+
 // the best ISA the CPU has: Python runs compiled blocks only when no backend is forced
-Tensor gemv(const Tensor& x, const Tensor& w, int64_t wide) {
+Tensor gemv(const Tensor& x, const Weight& w, int64_t wide) {
   Threads t(wide);
-  return kvstate::op::linear(x, w, "auto");
+  return kvstate::op::linear(x, w.w, w.scale, "auto");
 }
 
 struct Norm {
@@ -53,11 +59,11 @@ std::tuple<Tensor, Tensor> add_norm(const Tensor& x, const OptT& delta, const No
 // gate and up fused in w_gu [2I, hidden]; its residual add is left pending for the next block.
 struct Mlp {
   Norm norm;
-  Tensor w_gu, w_down;
+  Weight w_gu, w_down;
   std::tuple<Tensor, Tensor> run(const Tensor& x, const Tensor& mixed, int64_t wide) const {
     auto [sum, h] = kvstate::op::add_rms_norm(x, mixed, norm.w, norm.eps, norm.offset);
     const Tensor gu = gemv(h, w_gu, wide);
-    const int64_t I = w_down.size(1);
+    const int64_t I = w_down.w.size(1);
     const Tensor act = kvstate::op::silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
     return {sum, gemv(act, w_down, wide)};
   }
@@ -65,12 +71,12 @@ struct Mlp {
 
 struct GdnBlock {
   Norm norm;
-  Tensor w_in;  // [qkv | z | b | a] rows of the fused in_proj
+  Weight w_in;  // [qkv | z | b | a] rows of the fused in_proj
   int64_t n_qkv, n_z, n_b;
   Tensor conv_w, A_log, dt_bias, norm_w;
   double norm_eps, scale;
   int64_t num_k_heads;
-  Tensor w_out;
+  Weight w_out;
   Mlp mlp;
 
   // -> (x + delta, the block's output delta); the pools updated in place at `slots`
@@ -92,14 +98,14 @@ struct GdnBlock {
 
 struct AttnBlock {
   Norm norm;
-  Tensor w_qkv;  // [q (and gate) | k | v] rows of the fused projection
+  Weight w_qkv;  // [q (and gate) | k | v] rows of the fused projection
   int64_t H, Hkv, D, Dv;
   bool gated;  // q_proj is [H, 2D]: per head the query, then the output gate
   OptT q_norm, k_norm;
   double qk_eps, qk_offset;
   OptT inv_freq;
   double scale;
-  Tensor w_o;
+  Weight w_o;
   Mlp mlp;
 
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
@@ -134,21 +140,24 @@ namespace kvstate {
 
 void register_decode_blocks(pybind11::module_& m) {
   namespace py = pybind11;
+  py::class_<Weight>(m, "Weight", "a weight matrix for the compiled blocks: fp32, bf16, or int8 with per-row scales")
+      .def(py::init([](Tensor w, OptT scale) { return Weight{w, scale}; }), py::arg("weight"),
+           py::arg("scale") = py::none());
   py::class_<GdnBlock>(m, "GdnBlock", "a Gated DeltaNet + gated MLP block of a decode step, one call")
-      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_in, int64_t n_qkv, int64_t n_z,
+      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Weight w_in, int64_t n_qkv, int64_t n_z,
                        int64_t n_b, Tensor conv_w, Tensor A_log, Tensor dt_bias, Tensor gnorm_w, double gnorm_eps,
-                       double scale, int64_t num_k_heads, Tensor w_out, Tensor ffn_norm_w, double ffn_eps,
-                       double ffn_offset, Tensor w_gu, Tensor w_down) {
+                       double scale, int64_t num_k_heads, Weight w_out, Tensor ffn_norm_w, double ffn_eps,
+                       double ffn_offset, Weight w_gu, Weight w_down) {
              return GdnBlock{{norm_w, norm_eps, norm_offset}, w_in, n_qkv, n_z, n_b, conv_w, A_log, dt_bias, gnorm_w,
                              gnorm_eps, scale, num_k_heads, w_out, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}};
            }))
       .def("run", &GdnBlock::run, py::arg("x"), py::arg("delta"), py::arg("conv_pool"), py::arg("state_pool"),
            py::arg("slots"), py::arg("wide"), py::arg("state_wide"));
   py::class_<AttnBlock>(m, "AttnBlock", "a (gated) attention + gated MLP block of a decode step, one call")
-      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Tensor w_qkv, int64_t H, int64_t Hkv,
+      .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Weight w_qkv, int64_t H, int64_t Hkv,
                        int64_t D, int64_t Dv, bool gated, OptT q_norm, OptT k_norm, double qk_eps, double qk_offset,
-                       OptT inv_freq, double scale, Tensor w_o, Tensor ffn_norm_w, double ffn_eps, double ffn_offset,
-                       Tensor w_gu, Tensor w_down) {
+                       OptT inv_freq, double scale, Weight w_o, Tensor ffn_norm_w, double ffn_eps, double ffn_offset,
+                       Weight w_gu, Weight w_down) {
              return AttnBlock{{norm_w, norm_eps, norm_offset}, w_qkv, H, Hkv, D, Dv, gated, q_norm, k_norm, qk_eps,
                               qk_offset, inv_freq, scale, w_o, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}};
            }))

@@ -46,7 +46,7 @@ void gdn_head(const float* S, float* out, const float* q, const float* k, const 
 #include <torch/extension.h>
 namespace kvstate::op {
 using torch::Tensor;
-Tensor linear(const Tensor& x, const Tensor& w, const std::string& isa);
+Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& scale, const std::string& isa);
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset);
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,
                                         double offset);

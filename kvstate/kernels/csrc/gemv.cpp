@@ -44,11 +44,14 @@ std::vector<std::string> isas() {
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa,
-                     bool narrow) {
+                     bool narrow, c10::optional<torch::Tensor> scale) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate gemv: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate gemv: x must be float32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "kvstate gemv: weight must be float32 or bfloat16 [N, K]");
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 ||
+                               w.scalar_type() == at::kChar),
+              "kvstate gemv: weight must be float32, bfloat16 or int8 [N, K]");
+  const bool i8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(i8 == scale.has_value(), "kvstate gemv: int8 weights need their per-row scale (and only they take one)");
   TORCH_CHECK(w.is_contiguous(), "kvstate gemv: weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "kvstate gemv: x has ", K, " columns, weight ", w.size(1));
@@ -58,14 +61,22 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
                 "kvstate gemv: bias must be contiguous float32 [N]");
     bptr = bias->data_ptr<float>();
   }
+  const float* sptr = nullptr;
+  if (i8) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == N,
+                "kvstate gemv: scale must be contiguous float32 [N]");
+    sptr = scale->data_ptr<float>();
+  }
   const std::vector<std::string> have = isas();
   TORCH_CHECK(!have.empty(), "kvstate gemv: this CPU has neither AVX-512 nor AVX2+FMA");
   const std::string use = isa == "auto" ? have.front() : isa;
   TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
               "' not available on this CPU");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
+  const kvstate::WKind kind = bf16 ? kvstate::kBf16 : i8 ? kvstate::kI8 : kvstate::kF32;
   // AMX serves bf16 weights for 3 or more rows, in blocks of 32 W rows; AVX-512 does the rest
-  // (for 1-2 rows it computes less, and either way the weights stream at memory speed).
+  // (for 1-2 rows it computes less, and either way the weights stream at memory speed; int8
+  // weights always take it).
   const bool use_amx = use == "amx" && bf16 && M >= 3;
   const bool wide = use != "avx2";
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
@@ -93,7 +104,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   else
     kvstate::avx2::prepare_x(x.data_ptr<float>(), M, K, Kp, bf16, xp.data_ptr<float>());
   // narrow: every row through the few-rows tile (A/B and tests); it stays exact, only slower
-  const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), bf16, bptr, y.data_ptr<float>(), N,
+  const kvstate::GemvArgs args{xp.data_ptr<float>(), M, K, Kp, w.data_ptr(), kind, sptr, bptr, y.data_ptr<float>(), N,
                                narrow};
   // Work items are 12 W rows (from n_amx on; whole blocks of 3 or 4 rows); a thread gets at least
   // ~64 KiB of weights so that tiny matrices do not pay for waking threads.
@@ -112,13 +123,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 }  // namespace
 
 namespace kvstate::op {
-Tensor linear(const Tensor& x, const Tensor& w, const std::string& isa) { return ::linear(x, w, c10::nullopt, isa, false); }
+Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& scale, const std::string& isa) {
+  return ::linear(x, w, c10::nullopt, isa, false, scale);
+}
 }  // namespace kvstate::op
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvstate skinny GEMM: y = x @ W^T (+ bias), W fp32 or bf16, fp32 math";
-  m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (+ bias)", pybind11::arg("x"), pybind11::arg("weight"),
-        pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto", pybind11::arg("narrow") = false);
+  m.doc() = "kvstate skinny GEMM: y = x @ W^T (+ bias), W fp32, bf16 or int8 with per-row scales, fp32 math";
+  m.def("linear", &linear, "y[M, N] = x[M, K] @ W[N, K]^T (* scale[N] for int8 W) (+ bias)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("isa") = "auto",
+        pybind11::arg("narrow") = false, pybind11::arg("scale") = pybind11::none());
   m.def("last_tile", [] { return std::string(last_tile.load()); },
         "the register tile (W rows x x rows) the last AVX call ran, e.g. '3x4'");
   m.def("last_amx_passes", [] { return last_amx_passes.load(); },

@@ -6,12 +6,17 @@
 
 namespace kvstate {
 
+// How the weights are stored: fp32, bf16 (widened exactly), or int8 with one fp32 scale per W row
+// (weight-only quantization: y[m, n] = scale[n] * sum_k q[n, k] x[m, k], the sum in fp32).
+enum WKind { kF32, kBf16, kI8 };
+
 struct GemvArgs {
   const float* x;     // [M, Kp]: x zero-padded to Kp; for bf16 weights each block of 2*lanes is
                       // stored as [even lanes | odd lanes] (see prepare_x)
   int64_t M, K, Kp;
-  const void* w;      // [N, K] row-major, float or bf16 bits (uint16)
-  bool bf16;
+  const void* w;      // [N, K] row-major: float, bf16 bits (uint16) or int8
+  WKind kind;
+  const float* scale; // [N] per-row scales of int8 weights, else nullptr
   const float* bias;  // [N] or nullptr
   float* y;           // [M, N]
   int64_t N;

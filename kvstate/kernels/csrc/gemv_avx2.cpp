@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "gemv.h"
@@ -45,6 +46,14 @@ struct Isa {
     float b[L] = {};
     std::memcpy(b, p, size_t(rem) * sizeof(float));
     return _mm256_loadu_ps(b);
+  }
+  static V wi8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V wi8_tail(const int8_t* p, int rem) {
+    int8_t b[L] = {};
+    std::memcpy(b, p, size_t(rem));
+    return wi8(b);
   }
   static Raw wbf16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static Raw wbf16_tail(const uint16_t* p, int rem) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "gemv.h"
@@ -40,6 +41,13 @@ struct Isa {
   static float reduce(V v) { return _mm512_reduce_add_ps(v); }
   static V wf32(const float* p) { return _mm512_loadu_ps(p); }
   static V wf32_tail(const float* p, int rem) { return _mm512_maskz_loadu_ps(__mmask16((1u << rem) - 1), p); }
+  // 16 int8 weights, sign-extended and converted: exact (|q| <= 127)
+  static V wi8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static V wi8_tail(const int8_t* p, int rem) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << rem) - 1), p)));
+  }
   static Raw wbf16(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Raw wbf16_tail(const uint16_t* p, int rem) {
     return _mm512_maskz_loadu_epi16(__mmask32((1ull << rem) - 1), p);

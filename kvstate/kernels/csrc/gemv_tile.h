@@ -1,8 +1,9 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
-// (V, L, zero, fma, load, reduce, wf32, wf32_tail, Raw, wbf16, wbf16_tail, even, odd, prefetch,
-// deinterleave, keep) and the register tiles it runs (`Isa::Plan<bf16, row class>`: R, MT, kWregs).
-// Deliberately no includes: the including file provides <algorithm> and <cstdint>.
+// (V, L, zero, fma, load, reduce, wf32, wf32_tail, wi8, wi8_tail, Raw, wbf16, wbf16_tail, even, odd,
+// prefetch, deinterleave, keep) and the register tiles it runs (`Isa::Plan<bf16, row class>`: R, MT,
+// kWregs; int8 weights run fp32's tiles, widened to fp32 as they are loaded).
+// Deliberately no includes: the including file provides <algorithm>, <cstdint> and <type_traits>.
 //
 // Shape of the work: the W rows of one call are streamed once from memory. A register tile is R
 // output columns (W rows) x MT rows of x; all M rows of x are served from the same W block of R
@@ -15,14 +16,25 @@ constexpr int kMaxR = 4;                  // W rows per register tile, at most (
 constexpr int kGroupM = 16;               // x rows per pass over a W block (accumulators on the stack)
 constexpr int64_t kTileBytes = 32 << 10;  // a K tile of the W block and of the x group stays in L1
 
-// One step of K for an R x MT tile: fp32 W, L elements. WREGS: the R W vectors stay in registers
-// and each x vector is loaded once for R FMAs; else the MT x vectors stay and W is loaded per row.
-template <int R, int MT, bool TAIL, bool WREGS>
-inline __attribute__((always_inline)) void step_f32(const float* w, int64_t K, const float* x, int64_t Kp,
+// L weights of one W row as fp32: fp32 as they are, int8 widened exactly (the row's scale is applied
+// once, to the sum).
+template <bool TAIL, typename T>
+inline __attribute__((always_inline)) V wload(const T* p, int rem) {
+  if constexpr (std::is_same_v<T, int8_t>)
+    return TAIL ? Isa::wi8_tail(p, rem) : Isa::wi8(p);
+  else
+    return TAIL ? Isa::wf32_tail(p, rem) : Isa::wf32(p);
+}
+
+// One step of K for an R x MT tile: fp32 or int8 W, L elements. WREGS: the R W vectors stay in
+// registers and each x vector is loaded once for R FMAs; else the MT x vectors stay and W is loaded
+// per row.
+template <int R, int MT, bool TAIL, bool WREGS, typename T>
+inline __attribute__((always_inline)) void step_f32(const T* w, int64_t K, const float* x, int64_t Kp,
                                                     int64_t k, int rem, V (&acc)[MT][R]) {
   if constexpr (WREGS) {
     V wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
+    for (int r = 0; r < R; ++r) wv[r] = wload<TAIL>(w + r * K + k, rem);
     for (int m = 0; m < MT; ++m) {
       V xv = Isa::load(x + m * Kp + k);
       Isa::keep(xv);
@@ -32,7 +44,7 @@ inline __attribute__((always_inline)) void step_f32(const float* w, int64_t K, c
     V xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = Isa::load(x + m * Kp + k);
     for (int r = 0; r < R; ++r) {
-      V wv = TAIL ? Isa::wf32_tail(w + r * K + k, rem) : Isa::wf32(w + r * K + k);
+      V wv = wload<TAIL>(w + r * K + k, rem);
       for (int m = 0; m < MT; ++m) acc[m][r] = Isa::fma(wv, xv[m], acc[m][r]);
     }
   }
@@ -80,11 +92,15 @@ struct Prefetch {
   int phase, period;
 };
 
+// bytes per weight of each kind
+constexpr int64_t elt_bytes(int wk) { return wk == kBf16 ? 2 : wk == kI8 ? 1 : 4; }
+
 // acc (rows of kMaxR vectors, MT of them) += W[R rows, k0:k1] . x[MT rows, k0:k1].
-template <bool BF16, int R, int MT, bool WREGS>
+template <int WK, int R, int MT, bool WREGS>
 void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, Prefetch pf) {
+  constexpr bool BF16 = WK == kBf16;
   constexpr int S = BF16 ? 2 * Isa::L : Isa::L;  // K elements per step
-  constexpr int64_t elt = BF16 ? 2 : 4;
+  constexpr int64_t elt = elt_bytes(WK);
   V acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = accp[m * kMaxR + r];
@@ -102,12 +118,16 @@ void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int
     }
     if constexpr (BF16)
       step_bf16<R, MT, false, WREGS>(static_cast<const uint16_t*>(wp), K, x, Kp, k, 0, acc);
+    else if constexpr (WK == kI8)
+      step_f32<R, MT, false, WREGS>(static_cast<const int8_t*>(wp), K, x, Kp, k, 0, acc);
     else
       step_f32<R, MT, false, WREGS>(static_cast<const float*>(wp), K, x, Kp, k, 0, acc);
   }
   if (kfull < kend) {
     if constexpr (BF16)
       step_bf16<R, MT, true, WREGS>(static_cast<const uint16_t*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
+    else if constexpr (WK == kI8)
+      step_f32<R, MT, true, WREGS>(static_cast<const int8_t*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
     else
       step_f32<R, MT, true, WREGS>(static_cast<const float*>(wp), K, x, Kp, kfull, int(kend - kfull), acc);
   }
@@ -118,7 +138,7 @@ void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int
 using TileFn = void (*)(const void*, int64_t, const float*, int64_t, int64_t, int64_t, V*, Prefetch);
 
 // fn[r - 1][mt - 1]: the r x mt tile, for r <= RB and mt <= MTB (short blocks and passes).
-template <bool BF16, int RB, int MTB, bool WREGS>
+template <int WK, int RB, int MTB, bool WREGS>
 struct TileTable {
   TileFn fn[RB][MTB];
   TileTable() { fill_rows(std::make_integer_sequence<int, RB>{}); }
@@ -128,7 +148,7 @@ struct TileTable {
   }
   template <int R, int... J>
   void fill_cols(std::integer_sequence<int, J...>) {
-    ((fn[R - 1][J] = &tile<BF16, R, J + 1, WREGS>), ...);
+    ((fn[R - 1][J] = &tile<WK, R, J + 1, WREGS>), ...);
   }
 };
 
@@ -156,11 +176,11 @@ void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, floa
 }
 
 // Output columns [n0, n1) for every row of x, in blocks of RB W rows and passes of MTB x rows.
-template <bool BF16, int RB, int MTB, bool WREGS>
+template <int WK, int RB, int MTB, bool WREGS>
 void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
-  static const TileTable<BF16, RB, MTB, WREGS> tiles;
-  constexpr int64_t elt = BF16 ? 2 : 4;
-  constexpr int64_t step = BF16 ? 2 * Isa::L : Isa::L;
+  static const TileTable<WK, RB, MTB, WREGS> tiles;
+  constexpr int64_t elt = elt_bytes(WK);
+  constexpr int64_t step = WK == kBf16 ? 2 * Isa::L : Isa::L;
   constexpr int steps_per_line = std::max<int>(1, 64 / int(step * elt));
   // K tiles of equal length (the next tile's prefetch then lines up): W [RB, kt] + x [group, kt]
   // fit in kTileBytes.
@@ -187,16 +207,19 @@ void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
       }
       for (int m = 0; m < gm; ++m) {
         float* yrow = a.y + (mg + m) * a.N + nb;
-        for (int j = 0; j < r; ++j) yrow[j] = Isa::reduce(acc[m * kMaxR + j]) + (a.bias ? a.bias[nb + j] : 0.f);
+        for (int j = 0; j < r; ++j) {
+          const float sum = Isa::reduce(acc[m * kMaxR + j]);
+          yrow[j] = (WK == kI8 ? sum * a.scale[nb + j] : sum) + (a.bias ? a.bias[nb + j] : 0.f);
+        }
       }
     }
   }
 }
 
-template <bool BF16, int ROWS>
+template <int WK, int ROWS>
 const char* rows_plan(const GemvArgs& a, int64_t n0, int64_t n1) {
-  using P = Isa::Plan<BF16, ROWS>;
-  rows_with<BF16, P::R, P::MT, P::kWregs>(a, n0, n1);
+  using P = Isa::Plan<WK == kBf16, ROWS>;
+  rows_with<WK, P::R, P::MT, P::kWregs>(a, n0, n1);
   return P::name;
 }
 
@@ -204,10 +227,14 @@ const char* rows_plan(const GemvArgs& a, int64_t n0, int64_t n1) {
 // rest. Returns the tile, e.g. "3x4".
 const char* rows(const GemvArgs& a, int64_t n0, int64_t n1) {
   const int cls = a.M <= 2 || a.narrow ? kFewRows : a.M >= 5 && a.M <= 8 ? kMidRows : kManyRows;
-  if (a.bf16) {
-    if (cls == kFewRows) return rows_plan<true, kFewRows>(a, n0, n1);
-    return cls == kMidRows ? rows_plan<true, kMidRows>(a, n0, n1) : rows_plan<true, kManyRows>(a, n0, n1);
+  if (a.kind == kBf16) {
+    if (cls == kFewRows) return rows_plan<kBf16, kFewRows>(a, n0, n1);
+    return cls == kMidRows ? rows_plan<kBf16, kMidRows>(a, n0, n1) : rows_plan<kBf16, kManyRows>(a, n0, n1);
   }
-  if (cls == kFewRows) return rows_plan<false, kFewRows>(a, n0, n1);
-  return cls == kMidRows ? rows_plan<false, kMidRows>(a, n0, n1) : rows_plan<false, kManyRows>(a, n0, n1);
+  if (a.kind == kI8) {
+    if (cls == kFewRows) return rows_plan<kI8, kFewRows>(a, n0, n1);
+    return cls == kMidRows ? rows_plan<kI8, kMidRows>(a, n0, n1) : rows_plan<kI8, kManyRows>(a, n0, n1);
+  }
+  if (cls == kFewRows) return rows_plan<kF32, kFewRows>(a, n0, n1);
+  return cls == kMidRows ? rows_plan<kF32, kMidRows>(a, n0, n1) : rows_plan<kF32, kManyRows>(a, n0, n1);
 }

@@ -1,0 +1,73 @@
+"""Weight-only int8: each row of a projection as int8 with one fp32 scale, the math in fp32.
+
+`quantize_rows(w)` is symmetric per output channel (W row): scale = max|row| / 127, q =
+round(row / scale), so q * scale is within scale / 2 of every weight. The kernels widen q to
+fp32 exactly, sum q[n, k] * x[k] in fp32 and multiply the sum by scale[n]; x is not quantized.
+A quarter of fp32's bytes (half of bf16's) to stream per decode step, for a small logit error
+that `kvstate bench engine --weight-dtype int8` measures against the fp32 model.
+
+`quantize_linears(model)` does this to every `kernels.Linear` of a model, except
+- a weight shared with another module (a head tied to the embedding: the lookup needs the values),
+- the projections a layer reads as a tensor rather than calls (listed in the layer class's
+  `weight_read`: Mamba-1's dt_proj, MLA's kv_b_proj).
+Other matrices (embeddings, MoE experts) keep the dtype they have.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvstate.kernels.linear_module import Linear
+
+QMAX = 127
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (any float dtype) -> (q int8 [N, K], scale float32 [N]); an all-zero row gets scale 1."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K], scale [N] -> float32 [N, K] (the weights the int8 kernels multiply by)."""
+    return q.float() * scale[:, None]
+
+
+def _shared(model: nn.Module) -> set[int]:
+    """ids of parameters held by more than one module (tied tensors)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    return {pid for pid, n in holders.items() if n > 1}
+
+
+def _read_as_tensor(model: nn.Module) -> set[int]:
+    """ids of the Linears whose layer reads `.weight` directly (its class's `weight_read`)."""
+    out = set()
+    for module in model.modules():
+        for name in getattr(type(module), "weight_read", ()):
+            child = getattr(module, name, None)
+            if child is not None:
+                out.add(id(child))
+    return out
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Store every eligible kernels.Linear weight as int8 + per-row scale; -> how many."""
+    shared, skip = _shared(model), _read_as_tensor(model)
+    count = 0
+    for module in model.modules():
+        if type(module) is not Linear or id(module) in skip or id(module.weight) in shared:
+            continue
+        if module.weight.dtype == torch.int8 or module.weight.dim() != 2:
+            continue
+        q, scale = quantize_rows(module.weight)
+        module.weight = nn.Parameter(q, requires_grad=False)
+        module.weight_scale = scale
+        count += 1
+    return count
