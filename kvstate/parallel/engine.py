@@ -169,14 +169,15 @@ def start(path, size: int, *, weight_dtype=None, timeout: float = DEFAULT_TIMEOU
 
     Spawns the workers (or, under torchrun, joins the others; a torchrun rank other than 0 serves
     the steps here and then leaves the program: SystemExit). What does not divide by `size` is
-    one KvstateError before any process starts."""
+    one KvstateError before any process starts, as are int8 weights."""
     from functools import partial
 
     from kvstate.config import read_plan
-    from kvstate.parallel.model import load_shard
+    from kvstate.parallel.model import check_weight_dtype, load_shard
     from kvstate.parallel.plan import shard_plan
 
     shard_plan(read_plan(path), size)  # raises, naming what does not divide
+    check_weight_dtype(weight_dtype)
     if from_torchrun(size):
         group, procs = TPGroup.from_env(timeout), []
         if group.rank != 0:

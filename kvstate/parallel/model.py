@@ -158,11 +158,16 @@ def parallelize(model: nn.Module, plan, group: TPGroup) -> nn.Module:
     return model
 
 
+def check_weight_dtype(weight_dtype) -> None:
+    """int8 weights are one process's: refused before any rank starts."""
+    if weight_dtype_of(weight_dtype) == torch.int8:
+        raise KvstateError("int8 weights run in one process: tensor parallelism shards bf16 or fp32 weights")
+
+
 def load_shard(path, group: TPGroup, *, weight_dtype=None):
     """-> (rank's model in eval mode, full plan). Reads only the rank's part of each sharded tensor."""
     path, plan, family, opts, files = open_checkpoint(path)
-    if weight_dtype_of(weight_dtype) == torch.int8:
-        raise KvstateError("int8 weights run in one process: tensor parallelism shards bf16 or fp32 weights")
+    check_weight_dtype(weight_dtype)
     local = shard_plan(plan, group.size, group.rank)
     model = build_model(local, opts, device="meta")
     _local_experts(model, plan, opts, group.size, group.rank)

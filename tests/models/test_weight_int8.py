@@ -91,6 +91,17 @@ def test_int8_spelling_and_where_it_is_refused(tmp_path):
         load_model(tmp_path, dtype=torch.bfloat16, weight_dtype="int8")
 
 
+def test_int8_with_tensor_parallelism_is_one_line_before_any_rank_starts(capfd, tmp_path):
+    """(capfd: a rank process that started would write its traceback to the same stderr)"""
+    from kvstate.cli import main
+
+    FAMILIES["llama"]().save_pretrained(tmp_path)
+    capfd.readouterr()  # transformers' progress bar
+    assert main(["generate", "hi", "--model", str(tmp_path), "--tp", "2", "--weight-dtype", "int8"]) == 2
+    err = capfd.readouterr().err
+    assert "int8 weights run in one process" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_int8_on_the_command_line(capsys):
     import json
 
