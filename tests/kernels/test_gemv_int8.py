@@ -91,3 +91,21 @@ def test_quantize_rows_rounds_to_the_nearest_step():
     err = (dequantize(q, scale) - w).abs()
     assert (err <= scale[:, None] / 2 * (1 + 1e-6)).all()  # within half a step of every weight
     assert (q.abs().amax(dim=1)[torch.arange(33) != 5] == QMAX).all()  # each row's largest weight hits 127
+
+
+@pytest.mark.parametrize("n,k", [(32, 32), (37, 100), (96, 1000), (33, 2049)])
+def test_amx_serves_3_or_more_rows(n, k):
+    """On AMX machines int8 weights are widened to bf16 as they are staged (exact) and each row's sum
+    is scaled: one pass over the weights up to 32 rows, the K % 32 tail and the bias included."""
+    ext = extension()
+    if "amx" not in ext.isas():
+        pytest.skip("this CPU has no AMX")
+    g = torch.Generator().manual_seed(n * k)
+    q, scale, w = _int8(n, k, g)
+    b = torch.randn(n, generator=g)
+    for m in (3, 8, 17, 32, 40):
+        ext.linear(torch.randn(40, 64), torch.randn(64, 64).bfloat16(), None, "amx")  # 2 passes
+        x = torch.randn(m, k, generator=g)
+        y = ext.linear(x, q, b, "amx", scale=scale)
+        assert ext.last_amx_passes() == (1 if m <= 32 else 2), m
+        assert_close_to_truth(y, x, w, b)

@@ -74,10 +74,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
               "' not available on this CPU");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const kvstate::WKind kind = bf16 ? kvstate::kBf16 : i8 ? kvstate::kI8 : kvstate::kF32;
-  // AMX serves bf16 weights for 3 or more rows, in blocks of 32 W rows; AVX-512 does the rest
-  // (for 1-2 rows it computes less, and either way the weights stream at memory speed; int8
-  // weights always take it).
-  const bool use_amx = use == "amx" && bf16 && M >= 3;
+  // AMX serves bf16 and int8 weights for 3 or more rows, in blocks of 32 W rows; AVX-512 does the
+  // rest (for 1-2 rows it computes less, and either way the weights stream at memory speed).
+  const bool use_amx = use == "amx" && (bf16 || i8) && M >= 3;
   const bool wide = use != "avx2";
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
@@ -91,7 +90,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     auto xb = at::empty({3 * (K / 32 * 32) * M}, x.options().dtype(at::kBFloat16));
     auto* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
     kvstate::amx::prepare_x(x.data_ptr<float>(), M, K, xbp);
-    const kvstate::AmxArgs args{x.data_ptr<float>(), xbp, M, K, w.data_ptr(), bptr, y.data_ptr<float>(), N};
+    const kvstate::AmxArgs args{x.data_ptr<float>(), xbp, M, K, w.data_ptr(), sptr, bptr, y.data_ptr<float>(), N};
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 32 * K * 2));
     at::parallel_for(0, n_amx / 32, grain, [&](int64_t i0, int64_t i1) { kvstate::amx::rows(args, i0 * 32, i1 * 32); });
     if (n_amx > 0) last_amx_passes.store((M + kvstate::kAmxChunk - 1) / kvstate::kAmxChunk, std::memory_order_relaxed);

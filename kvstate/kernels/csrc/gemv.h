@@ -38,14 +38,15 @@ void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, floa
 const char* rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 
-// AMX (bf16 weights only): 32 W rows per block, x rows in chunks of kAmxChunk; x as three bf16
+// AMX (bf16 or int8 weights): 32 W rows per block, x rows in chunks of kAmxChunk; x as three bf16
 // parts (see gemv_amx.cpp).
 constexpr int64_t kAmxChunk = 32;
 struct AmxArgs {
   const float* x;      // [M, K] as given (for the K % 32 tail)
   const uint16_t* xb;  // [K / 32 * 16][3][M][2] bf16 parts of x
   int64_t M, K;
-  const void* w;       // [N, K] bf16
+  const void* w;       // [N, K] bf16, or int8 (widened to bf16 as it is staged: exact for |q| <= 127)
+  const float* scale;  // [N] per-row scales of int8 weights, else nullptr
   const float* bias;
   float* y;
   int64_t N;

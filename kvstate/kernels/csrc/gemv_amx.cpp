@@ -1,4 +1,5 @@
-// AMX instance of the skinny GEMM for bf16 weights (fp32 weights take the AVX-512 path).
+// AMX instance of the skinny GEMM for bf16 weights, and int8 ones widened to bf16 as they are staged
+// (exact: |q| <= 127; each row's sum is then multiplied by its scale). fp32 weights take AVX-512.
 //
 // AMX multiplies bf16 tiles into fp32 accumulators, so x is split exactly enough into three bf16
 // parts, x = hi + mid + lo (8 + 8 + 8 significant bits, the 24 of fp32), and all three are
@@ -54,7 +55,7 @@ bool usable() {
 }
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 
 // In-register transpose of a 16 x 16 matrix of 32-bit words (r[i] = row i).
 inline void transpose16(__m512 r[16]) {
@@ -153,11 +154,22 @@ using Ring = uint16_t[kRing][32 * 32];
 // (the staged loads) keep too few lines in flight to stream at memory speed.
 constexpr int64_t kFar = 12;  // steps of 32 k
 
-inline void stage(const uint16_t* w0, int64_t K, int64_t k, uint16_t* slot) {
+// 32 weights of one row as bf16: bf16 as they are; int8 sign-extended, converted to fp32 and
+// rounded to bf16, all exact (integers up to 256 are bf16 numbers).
+inline __m512i row32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline __m512i row32(const int8_t* p) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // [lo 16 | hi 16]
+}
+
+template <typename T>
+inline void stage(const T* w0, int64_t K, int64_t k, uint16_t* slot) {
   const int64_t far = k + kFar * 32 < K ? kFar * 32 : 32 * K + kFar * 32 - K;
   for (int r = 0; r < 32; ++r) {
     _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + k + far), _MM_HINT_T1);
-    _mm512_store_si512(slot + r * 32, _mm512_loadu_si512(w0 + r * K + k));
+    _mm512_store_si512(slot + r * 32, row32(w0 + r * K + k));
   }
 }
 
@@ -165,8 +177,8 @@ inline void stage(const uint16_t* w0, int64_t K, int64_t k, uint16_t* slot) {
 // (part, x row), MB blocks of 16 from b (M <= 10: each product once, 2 or 4 per step). Else the
 // columns are one chunk's x rows (MB blocks of 16 from b), one part at a time, the parts M words
 // apart: 6 or 12 products per step.
-template <int MB, bool PACKED>
-inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t M, Ring& ring) {
+template <int MB, bool PACKED, typename T>
+inline void block(const T* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t M, Ring& ring) {
   const int64_t ldb = 12 * M, steps = K32 / 32;  // B row stride: 3 M words
   for (int64_t s = 0; s < std::min<int64_t>(kAhead, steps); ++s) stage(w0, K, s * 32, ring[s % kRing]);
   for (int64_t s = 0; s < steps; ++s) {
@@ -207,8 +219,17 @@ inline void block(const uint16_t* w0, int64_t K, int64_t K32, const uint16_t* b,
 }
 }  // namespace
 
-// y[mc + m, nb + i] = c[i][m] (+ bias[nb + i], + the K % 32 tail) for the block's 32 W rows and
-// the chunk's cm x rows: 16 x 16 transposes, whole vectors of y.
+template <typename T>
+inline void run_block(const T* w0, int64_t K, int64_t K32, const uint16_t* b, int64_t M, Ring& ring, bool packed,
+                      bool two) {
+  if (packed)
+    two ? block<2, true>(w0, K, K32, b, M, ring) : block<1, true>(w0, K, K32, b, M, ring);
+  else
+    two ? block<2, false>(w0, K, K32, b, M, ring) : block<1, false>(w0, K, K32, b, M, ring);
+}
+
+// y[mc + m, nb + i] = (c[i][m] + the K % 32 tail) (* scale[nb + i] for int8) (+ bias[nb + i]) for the
+// block's 32 W rows and the chunk's cm x rows: 16 x 16 transposes, whole vectors of y.
 void store(const AmxArgs& a, const float* c, int64_t nb, int64_t mc, int64_t cm) {
   const int64_t K32 = a.K / 32 * 32;
   for (int ib = 0; ib < 32; ib += 16) {
@@ -219,19 +240,22 @@ void store(const AmxArgs& a, const float* c, int64_t nb, int64_t mc, int64_t cm)
       for (int i = 0; i < 16; ++i) r[i] = _mm512_maskz_loadu_ps(__mmask16((1u << mn) - 1), c + (ib + i) * 32 + mb);
       transpose16(r);  // r[m]: W rows ib..ib + 15 for x row mb + m
       for (int64_t m = 0; m < mn; ++m) {
-        __m512 v = _mm512_add_ps(r[m], bias);
+        __m512 v = r[m];
         if (K32 < a.K) {  // the K tail, in scalar code: rare (K % 32 != 0)
           alignas(64) float t[16];
           const float* xr = a.x + (mc + mb + m) * a.K;
           for (int i = 0; i < 16; ++i) {
-            const uint16_t* wr = static_cast<const uint16_t*>(a.w) + (nb + ib + i) * a.K;
+            const int64_t row = (nb + ib + i) * a.K;
             float s = 0.f;
-            for (int64_t k = K32; k < a.K; ++k) s += bf16_value(wr[k]) * xr[k];
+            for (int64_t k = K32; k < a.K; ++k)
+              s += (a.scale ? float(static_cast<const int8_t*>(a.w)[row + k])
+                            : bf16_value(static_cast<const uint16_t*>(a.w)[row + k])) * xr[k];
             t[i] = s;
           }
           v = _mm512_add_ps(v, _mm512_load_ps(t));
         }
-        _mm512_storeu_ps(a.y + (mc + mb + m) * a.N + nb + ib, v);
+        if (a.scale) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scale + nb + ib));  // int8: the row's scale
+        _mm512_storeu_ps(a.y + (mc + mb + m) * a.N + nb + ib, _mm512_add_ps(v, bias));
       }
     }
   }
@@ -243,13 +267,11 @@ void store(const AmxArgs& a, const float* c, int64_t nb, int64_t mc, int64_t cm)
 // the parts in turn; beyond, chunks of 32 rows, the later ones finding the block in L2.
 void rows(const AmxArgs& a, int64_t n0, int64_t n1) {
   const int64_t M = a.M, K = a.K, K32 = K / 32 * 32;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
   alignas(64) float c[32 * 32];  // c[i][j]: W row i of the block, column j (x row, or part and row)
   alignas(64) Ring ring;
   const bool packed = 3 * M <= 32;
   int64_t configured = -1;  // the columns the tiles are configured for
   for (int64_t nb = n0; nb < n1; nb += 32) {
-    const uint16_t* w0 = w + nb * K;
     for (int64_t mc = 0; mc < M; mc += kAmxChunk) {
       const int64_t cm = std::min(kAmxChunk, M - mc), cols = packed ? 3 * M : cm;
       const int64_t m0 = std::min<int64_t>(16, cols), m1 = cols - m0;
@@ -261,10 +283,10 @@ void rows(const AmxArgs& a, int64_t n0, int64_t n1) {
         _tile_zero(7);
       }
       const uint16_t* b = a.xb + mc * 2;  // the chunk's first x row
-      if (packed)
-        m1 == 0 ? block<1, true>(w0, K, K32, b, M, ring) : block<2, true>(w0, K, K32, b, M, ring);
+      if (a.scale)
+        run_block(static_cast<const int8_t*>(a.w) + nb * K, K, K32, b, M, ring, packed, m1 > 0);
       else
-        m1 == 0 ? block<1, false>(w0, K, K32, b, M, ring) : block<2, false>(w0, K, K32, b, M, ring);
+        run_block(static_cast<const uint16_t*>(a.w) + nb * K, K, K32, b, M, ring, packed, m1 > 0);
       _tile_stored(0, c, 4 * 32);  // c[i][j]: W rows 0..15, columns 0..15
       _tile_stored(1, c + 16 * 32, 4 * 32);
       if (m1 > 0) {
