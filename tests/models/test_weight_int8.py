@@ -81,6 +81,7 @@ def test_int8_costs_little_against_the_unquantized_model(checkpoint):
 
 
 def test_int8_spelling_and_where_it_is_refused(tmp_path):
+    from kvstate.models.build import set_weight_dtype
     from kvstate.parallel.model import load_shard
 
     assert weight_dtype_of("int8") == weight_dtype_of("INT8") == weight_dtype_of(torch.int8) == torch.int8
@@ -89,6 +90,9 @@ def test_int8_spelling_and_where_it_is_refused(tmp_path):
         load_shard(tmp_path, None, weight_dtype="int8")
     with pytest.raises(KvstateError, match="int8 weights take float32 activations"):
         load_model(tmp_path, dtype=torch.bfloat16, weight_dtype="int8")
+    model, _ = load_model(tmp_path, weight_dtype="int8")
+    with pytest.raises(KvstateError, match="projections are int8"):  # a cast would silently drop the scales
+        set_weight_dtype(model, torch.bfloat16)
 
 
 def test_int8_with_tensor_parallelism_is_one_line_before_any_rank_starts(capfd, tmp_path):
