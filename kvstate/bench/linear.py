@@ -1,11 +1,12 @@
 """`kvstate bench linear`: the decode-sized linears of the "0.5b" bench model, kvstate's kernels
-against torch's F.linear, fp32 and bf16 weights, in one process on the same inputs.
+against torch's F.linear, fp32, bf16 and int8 weights, in one process on the same inputs.
 
 One "step" runs every nn.Linear of the model once (as one decode step does) on x of M rows, with
 all the weights resident at once (2.1 GB in fp32), so they stream from memory, not from cache.
 Printed per weight dtype and M: ms per step, GB/s of weights streamed and the fraction of the
 machine's measured read bandwidth (a `sum` over 1 GiB), tokens/s, and the ratio to torch
-(fp32: F.linear on the fp32 weights; bf16: torch's own bf16 path, x rounded to bf16).
+(fp32: F.linear on the fp32 weights; bf16: torch's own bf16 path, x rounded to bf16; int8, per-row
+scales: F.linear on the dequantized fp32 weights).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small sibling model (seconds; weights in cache)")
     parser.add_argument("--rows", default="1,8,16,32", help="rows of x (decode batch sizes)")
-    parser.add_argument("--dtypes", default="fp32,bf16", help="weight dtypes")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="weight dtypes: fp32, bf16, int8 (default: fp32,bf16)")
 
 
 def model_linears(size: str) -> list[tuple[str, int, int]]:
@@ -44,11 +45,11 @@ def kernel_path(info: dict, dtype: str, rows: int) -> str:
     """Which code computes these rows (mirrors kernels.dispatch and the extension's ISA choice)."""
     from kvstate import kernels
 
-    limit = kernels.MAX_ROWS_BF16 if dtype == "bf16" else kernels.MAX_ROWS
+    limit = kernels.MAX_ROWS if dtype == "fp32" else kernels.MAX_ROWS_BF16
     if info["backend"] == "torch" or rows > limit:
         return "torch"
     isa = info["isa"]
-    if isa == "amx" and (dtype != "bf16" or rows < 3):  # AMX: bf16 weights, 3 or more rows a call
+    if isa == "amx" and (dtype == "fp32" or rows < 3):  # AMX: bf16 or int8 weights, 3 or more rows a call
         isa = "avx512"
     return isa
 
@@ -82,34 +83,40 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstate import kernels
     from kvstate.bench.timing import start
+    from kvstate.errors import KvstateError
+    from kvstate.kernels.quant import dequantize, quantize_rows
 
+    wanted = [d.strip() for d in args.dtypes.split(",")]
+    if not wanted or any(d not in ("fp32", "bf16", "int8") for d in wanted):
+        raise KvstateError(f"--dtypes {args.dtypes!r}: a comma-separated list of fp32, bf16, int8")
     console, limits = start(args)
     size = "quick" if args.quick else "0.5b"
     min_time = 0.1 if args.quick else 1.0
     rows_list = [int(r) for r in args.rows.split(",")]
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    wanted = [d.strip() for d in args.dtypes.split(",")]
     with console.status("measuring the read bandwidth"):
         read_bw = read_bandwidth(64 if args.quick else 1024)
     shapes = model_linears(size)
     g = torch.Generator().manual_seed(0)
     with console.status(f"allocating the weights of {len(shapes)} linears"):
         w32 = [torch.randn(n, k, generator=g) * k**-0.5 for _, n, k in shapes]
-        weights = {d: (w32 if d == "fp32" else [w.to(dtypes[d]) for w in w32]) for d in wanted}
+        # (weight, per-row scale or None) per linear
+        weights = {d: [(w, None) if d == "fp32" else (w.bfloat16(), None) if d == "bf16" else quantize_rows(w)
+                       for w in w32] for d in wanted}
     info = kernels.info()
     results = []
     for d in wanted:
         ws = weights[d]
-        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        nbytes = sum(w.numel() * w.element_size() + (s.numel() * 4 if s is not None else 0) for w, s in ws)
+        ref_ws = [dequantize(w, s) for w, s in ws] if d == "int8" else [w for w, _ in ws]
         for m in rows_list:
-            xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in ws}}
-            pairs = [(xs[w.shape[1]], w) for w in ws]
+            xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w, _ in ws}}
+            triples = [(xs[w.shape[1]], w, s) for w, s in ws]
             xs16 = {k: x.bfloat16() for k, x in xs.items()}
-            ref_pairs = [(xs16[w.shape[1]], w) for w in ws] if d == "bf16" else pairs
+            ref_pairs = [((xs16 if d == "bf16" else xs)[w.shape[1]], w) for w in ref_ws]
 
             def ours():
-                for x, w in pairs:
-                    kernels.linear(x, w)
+                for x, w, s in triples:
+                    kernels.linear(x, w, None, s)
 
             def theirs():
                 for x, w in ref_pairs:
