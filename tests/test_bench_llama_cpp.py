@@ -10,7 +10,7 @@ import io
 import pytest
 from rich.console import Console
 
-from kvstate.bench.engine import show
+from kvstate.bench.engine_table import show
 from kvstate.bench.llama_cpp import parse_results, run_llama_bench
 from kvstate.cli import main
 from kvstate.errors import KvstateError

@@ -14,7 +14,9 @@ same threads). `--profile 1,8` adds where a decode step's time goes at those bat
 the blocks compiled (as decode runs) and op by op (which splits their time into kernels)
 (`kvstate.bench.step_profile`), and `--llama-bench BIN --gguf FILE [--gguf FILE2]` runs llama.cpp's
 llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
-prefill and decode beside ours, with ratios.
+prefill and decode beside ours, with ratios (`--llama-prompt 0`: its decode only). With
+`--weight-dtype int8` it also measures the logits' error against the same checkpoint in fp32
+(`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    from kvstate.bench.engine_table import show
+
     show(console, result)
     return 0
 
@@ -271,59 +275,3 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
                   vs_llama_cpp_rounds=rounds, int8_logit_error=None)
     return result
-
-
-def show(console, result: dict) -> None:
-    """The human form of `result` (what --json prints): one table of every row, ours and llama.cpp's,
-    the ratios, then the decode-step breakdown."""
-    from rich.table import Table
-
-    m = result["machine"]
-    console.print(f"{result['model']}; prompts {result['prompt_tokens']} tokens, {result['new_tokens']} new; "
-                  f"weights {result['weight_dtype']}, activations fp32, {m['threads']} threads; machine: read "
-                  f"{m['read_bandwidth_gbps']:.1f} GB/s (sum of 1 GiB), copy {m['bandwidth_gbps']:.1f} GB/s, "
-                  f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s; "
-                  + (f"huge pages off: {m['huge_pages_off']}" if m.get("huge_pages_off") else
-                     f"{m.get('huge_page_bytes', 0) / 2**30:.2f} GiB of weights and caches on 2 MiB pages"),
-                  soft_wrap=True)
-    table = Table(title="kvstate bench engine")
-    for col in ("impl", "phase", "batch", "tokens/s", "ms/step", "GB/s", "% read BW"):
-        table.add_column(col, justify="left" if col in ("impl", "phase") else "right")
-    for r in result["rows"]:
-        impl = r["impl"] if r["impl"] != "kvstate" else f"kvstate {result['weight_dtype']}"
-        table.add_row(impl, r["phase"], str(r["batch"]), f"{r['tokens_per_s']:,.1f}" if r["tokens_per_s"] else "-",
-                      f"{r['ms_per_step']:.1f}" if r["ms_per_step"] else "-",
-                      f"{r['gbps']:.1f}" if r["gbps"] else "-",
-                      f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] else "-")
-    for r in result["llama_cpp"]:
-        decode = r["test"].startswith("tg")
-        gbps = r["streamed_bytes"] * r["tokens_per_s"] / 1e9 if decode else None
-        table.add_row(f"llama.cpp {r['gguf']}", "decode" if decode else "prefill", "1", f"{r['tokens_per_s']:,.1f}",
-                      f"{1e3 / r['tokens_per_s'] * (1 if decode else int(r['test'][2:])):.1f}",
-                      f"{gbps:.1f}" if gbps else "-",
-                      f"{100 * gbps / m['read_bandwidth_gbps']:.0f}%" if gbps else "-")
-    console.print(table)
-    q = result.get("int8_logit_error")
-    if q:
-        console.print(f"int8 weights vs the same checkpoint in fp32, one {q['positions']}-token prompt: logits "
-                      f"{100 * q['rel']:.2f}% relative error (worst position {100 * q['max_rel']:.2f}%), "
-                      f"top-1 token the same at {100 * q['top1']:.1f}% of positions")
-    for k, v in result["speedup_vs_transformers"].items():
-        console.print(f"kvstate / transformers, {k}: {v:.2f}x")
-    batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})
-    if result["decode_scaling"]:
-        console.print(f"kvstate decode throughput, batch {batches[-1]} / batch {batches[0]}: "
-                      f"{result['decode_scaling']:.1f}x")
-    if result["llama_cpp"]:
-        r = result["llama_cpp"][0]
-        console.print(f"llama.cpp: llama-bench -t {r['threads']} -p {result['prefill_tokens']} "
-                      f"-n {result['llama_gen']}")
-    for k, v in result["vs_llama_cpp"].items():
-        console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}: {v:.2f}x")
-    for k, v in result.get("vs_llama_cpp_rounds", {}).items():
-        console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}, {len(v['ratios'])} alternating rounds: "
-                      f"median {v['median']:.2f}x ({', '.join(f'{r:.2f}' for r in v['ratios'])})")
-    if result["step_profile"]:
-        from kvstate.bench.step_profile import profile_table
-
-        console.print(profile_table(result["step_profile"], result["weight_bytes"]))
