@@ -20,9 +20,8 @@ from tests.kernels.test_decode_ops import rel
 BLOCK = 4
 
 
-def layer(gated: bool, seed: int = 0) -> Attention:
+def layer(gated: bool, seed: int = 0, h: int = 6, hkv: int = 2, d: int = 20) -> Attention:
     torch.manual_seed(seed)
-    h, hkv, d = 6, 2, 20
     m = Attention(36, h, hkv, d, output_gate=gated, qk_norm=(1e-6, 1.0) if gated else None,
                   rotary=Rotary(d, 8, 10000.0) if gated else None).requires_grad_(False)
     for p in m.parameters():
@@ -30,13 +29,13 @@ def layer(gated: bool, seed: int = 0) -> Attention:
     return m
 
 
-def decode_step(n: int, g: torch.Generator):
-    """A decode batch of n entries with contexts 0..40 in shuffled, scattered blocks of a 200-block pool."""
-    ctx = torch.randint(0, 41, (n,), generator=g).tolist()
+def decode_step(n: int, g: torch.Generator, block: int = BLOCK, longest: int = 40, pool: int = 200):
+    """A decode batch of n entries with contexts 0..longest in shuffled, scattered blocks of a pool."""
+    ctx = torch.randint(0, longest + 1, (n,), generator=g).tolist()
     ctx[0] = 0 if n > 1 else 5  # a first token as well
-    free = torch.randperm(200, generator=g).tolist()
-    tables = [[free.pop() for _ in range(c // BLOCK + 1)] for c in ctx]
-    return Batch.build([1] * n, ctx, list(range(n)), tables, BLOCK)
+    free = torch.randperm(pool, generator=g).tolist()
+    tables = [[free.pop() for _ in range(c // block + 1)] for c in ctx]
+    return Batch.build([1] * n, ctx, list(range(n)), tables, block)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -50,6 +49,27 @@ def test_fused_equals_torch(gated, monkeypatch):
         batch = decode_step(n, g)
         cache = SimpleNamespace(k=torch.randn(200, BLOCK, 2, 20, generator=g),
                                 v=torch.randn(200, BLOCK, 2, 20, generator=g))
+        check_against_torch(m, torch.randn(n, 36, generator=g), batch, cache, calls)
+
+
+# (query heads, KV heads, head dim, block size): each grouping the kernel has a register path for
+# (G = 1, 2, 3, 4 two keys at a time; G = 8 one; G = 6 the generic loop), head dims with and without
+# whole chunks of 8 and 16 channels, block sizes a power of two and not, contexts over many blocks.
+SHAPES = [(4, 4, 24, 16), (8, 4, 16, 6), (8, 2, 32, 16), (8, 1, 20, 16), (12, 2, 8, 5), (6, 2, 20, 4)]
+
+
+@pytest.mark.parametrize("h,hkv,d,block", SHAPES)
+def test_every_head_grouping_and_block_size(h, hkv, d, block, monkeypatch):
+    ext = extension()
+    m = layer(True, 3, h, hkv, d)
+    g = torch.Generator().manual_seed(h * d + block)
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
+    pool = 9 * (150 // block + 1)
+    for n in (1, 2, 9):
+        batch = decode_step(n, g, block, longest=150, pool=pool)
+        cache = SimpleNamespace(k=torch.randn(pool, block, hkv, d, generator=g),
+                                v=torch.randn(pool, block, hkv, d, generator=g))
         check_against_torch(m, torch.randn(n, 36, generator=g), batch, cache, calls)
 
 
