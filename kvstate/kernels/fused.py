@@ -29,12 +29,13 @@ class FusedGroup:
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         scales = [_scale(m) for m in members]
         self.scale = None if scales[0] is None else torch.cat(scales)  # [sum N]
-        for i, (m, w, b, old) in enumerate(zip(members, self.weight.split(self.sizes), self._bias_parts(), weights)):
+        scale_parts = self.scale.split(self.sizes) if self.scale is not None else [None] * len(self.sizes)
+        for m, w, b, sc, old in zip(members, self.weight.split(self.sizes), self._bias_parts(), scale_parts, weights):
             m.weight = nn.Parameter(w, requires_grad=old.requires_grad)
             if b is not None:
                 m.bias = nn.Parameter(b, requires_grad=m.bias.requires_grad)
-            if self.scale is not None:
-                m.weight_scale = self.scale.split(self.sizes)[i]
+            if sc is not None:
+                m.weight_scale = sc
 
     def _bias_parts(self):
         return self.bias.split(self.sizes) if self.bias is not None else [None] * len(self.sizes)
