@@ -21,11 +21,11 @@ def _positive_int(text: str) -> int:
 
 def weight_dtype_arg(text: str) -> str:
     """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, or int8, as its canonical name."""
-    from kvstate.config.dtypes import canonical_weight_dtype
+    from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonical_weight_dtype
 
     name = canonical_weight_dtype(text)
-    if name not in ("bfloat16", "float32", "int8"):
-        raise argparse.ArgumentTypeError(f"expected bf16, fp32 or int8 (or bfloat16, float32), got {text!r}")
+    if name not in WEIGHT_DTYPES:
+        raise argparse.ArgumentTypeError(f"{WEIGHT_DTYPES_EXPECTED}, got {text!r}")
     return name
 
 

@@ -35,6 +35,11 @@ def canonical_dtype(name: object) -> str | None:
     return key if key in DTYPE_BYTES else None
 
 
+# canonical names of the weight dtypes the engine loads (`--weight-dtype`, load_model), and how to say so
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_DTYPES_EXPECTED = "expected bf16, fp32 or int8 (or bfloat16, float32)"
+
+
 def canonical_weight_dtype(name: object) -> str | None:
     """A weight dtype: "int8" (weight-only quantization with per-row scales, kernels.quant), or a
     float dtype's canonical name from any spelling `canonical_dtype` takes; None if unknown."""

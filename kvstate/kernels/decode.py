@@ -194,5 +194,6 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
         return None
     eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks]
-    return _wide_call(kv_bytes(batch, k_cache, v_cache), ext.attention_decode, q, k, v, gate, qw, kw, eps, offset, inv_freq, batch.positions,
-                      k_cache, v_cache, tables, batch.kv_indices, scale, threshold=WIDE_KV_BYTES)
+    return _wide_call(kv_bytes(batch, k_cache, v_cache), ext.attention_decode, q, k, v, gate, qw, kw, eps, offset,
+                      inv_freq, batch.positions, k_cache, v_cache, tables, batch.kv_indices, scale,
+                      threshold=WIDE_KV_BYTES)

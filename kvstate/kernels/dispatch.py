@@ -78,11 +78,6 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> None:
-    if (weight.dtype == torch.int8) != (scale is not None):
-        raise ValueError("an int8 weight needs its per-row scale, and only an int8 weight takes one")
-
-
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # Cheapest tests first: this runs for every linear of every step.
     if x.dtype != torch.float32 or weight.dtype not in _WEIGHT_DTYPES or not (x.is_cpu and weight.is_cpu):
@@ -116,8 +111,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             scale: torch.Tensor | None) -> torch.Tensor:
-    if scale is not None or weight.dtype == torch.int8:
-        _check_scale(weight, scale)
+    if (weight.dtype == torch.int8) != (scale is not None):
+        raise ValueError("an int8 weight needs its per-row scale, and only an int8 weight takes one")
     choice = _choice()
     if choice != "torch" and _eligible(x, weight, bias):
         flat = x.dim() == 2

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from kvstate.config import read_plan
-from kvstate.config.dtypes import canonical_weight_dtype
+from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonical_weight_dtype
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
@@ -27,7 +27,6 @@ from kvstate.kernels.hugepages import place_weights
 from kvstate.kernels.quant import quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")  # canonical names load_model's weight_dtype accepts
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -64,7 +63,7 @@ def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     else:
         canonical = canonical_weight_dtype(name)
     if name is not None and canonical not in WEIGHT_DTYPES:
-        raise KvstateError(f"weight dtype {name!r}: expected bf16, fp32 or int8 (or bfloat16, float32)")
+        raise KvstateError(f"weight dtype {name!r}: {WEIGHT_DTYPES_EXPECTED}")
     return None if canonical is None else getattr(torch, canonical)
 
 

@@ -223,18 +223,17 @@ const char* rows_plan(const GemvArgs& a, int64_t n0, int64_t n1) {
   return P::name;
 }
 
+// The plan of weight kind WK for row class `cls`.
+template <int WK>
+const char* rows_kind(const GemvArgs& a, int cls, int64_t n0, int64_t n1) {
+  if (cls == kFewRows) return rows_plan<WK, kFewRows>(a, n0, n1);
+  return cls == kMidRows ? rows_plan<WK, kMidRows>(a, n0, n1) : rows_plan<WK, kManyRows>(a, n0, n1);
+}
+
 // The ISA's plan for this call by its row class: few rows (M <= 2, or `narrow`), 5 to 8, or the
 // rest. Returns the tile, e.g. "3x4".
 const char* rows(const GemvArgs& a, int64_t n0, int64_t n1) {
   const int cls = a.M <= 2 || a.narrow ? kFewRows : a.M >= 5 && a.M <= 8 ? kMidRows : kManyRows;
-  if (a.kind == kBf16) {
-    if (cls == kFewRows) return rows_plan<kBf16, kFewRows>(a, n0, n1);
-    return cls == kMidRows ? rows_plan<kBf16, kMidRows>(a, n0, n1) : rows_plan<kBf16, kManyRows>(a, n0, n1);
-  }
-  if (a.kind == kI8) {
-    if (cls == kFewRows) return rows_plan<kI8, kFewRows>(a, n0, n1);
-    return cls == kMidRows ? rows_plan<kI8, kMidRows>(a, n0, n1) : rows_plan<kI8, kManyRows>(a, n0, n1);
-  }
-  if (cls == kFewRows) return rows_plan<kF32, kFewRows>(a, n0, n1);
-  return cls == kMidRows ? rows_plan<kF32, kMidRows>(a, n0, n1) : rows_plan<kF32, kManyRows>(a, n0, n1);
+  if (a.kind == kBf16) return rows_kind<kBf16>(a, cls, n0, n1);
+  return a.kind == kI8 ? rows_kind<kI8>(a, cls, n0, n1) : rows_kind<kF32>(a, cls, n0, n1);
 }
