@@ -57,7 +57,8 @@ void norm_rotate(const AttnArgs& a, const float* x, const float* w, int64_t p, f
 // first L keys of the sequence's blocks -> o rows [G, Dv]. scores: G * L floats of scratch,
 // stored [L, G] while the keys stream, then [G, L].
 //
-// Walked a KV block at a time (the block table read once per block, no division per row). Keys go
+// Walked a KV block at a time (the math reads the block table once per block; only the prefetch
+// below looks up the row kAhead keys on). Keys go
 // two at a time through `dots2` (independent FMA chains); values a block at a time with the
 // accumulators in registers (`values_block`): the per-row loop of loads and stores of o before this
 // ran ~1,100 cycles a key (10.5 GB/s of KV with the caches warm, 8.7 cold, at 8,192 keys).
