@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstate.cache.spec import CacheSpec
+from kvstate.commands.plot_path import FORMATS, check_plot_path
 from kvstate.config.dtypes import dtype_bytes
 from kvstate.config.plan import KV_KINDS, AttentionSpec, MLASpec, ModelPlan
 from kvstate.errors import KvstateError
 from kvstate.memory import crossover_tokens, format_bytes, format_tokens
 
-FORMATS = {".png": "png", ".svg": "svg"}
 
 
 def hypothetical_curves(plan: ModelPlan, kv_dtype: str) -> dict[str, int]:
@@ -52,12 +52,8 @@ def _token_grid(lo: int, hi: int) -> list[int]:
 
 def plot(models: list[tuple[ModelPlan, CacheSpec]], path: str | Path, contexts: tuple[int, ...]) -> Path:
     """Write the chart to `path` (.png or .svg) and return the path."""
-    path = Path(path)
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise KvstateError(f"--plot: {path}: the file name must end in .png or .svg")
-    if not path.parent.is_dir():
-        raise KvstateError(f"--plot: {path}: no such directory {path.parent}")
+    path = check_plot_path(path)
+    fmt = FORMATS[path.suffix.lower()]
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter

@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.entries)
     if args.queries < 1 or not 1 <= args.digits <= 12:
         raise KvstateError("--queries must be positive and --digits from 1 to 12")
+    if args.plot:
+        from kvstate.commands.plot_path import check_plot_path
+
+        check_plot_path(args.plot)  # before the models run, not after
     names = args.model or [DEFAULT_MODEL]
     paths = [resolve_checkpoint(name) for name in names]  # every model checked before any runs
     for name, path in zip(names, paths):

@@ -45,7 +45,8 @@ def make_sets(cfg) -> tuple[tasks.TokenTask, tasks.TokenTask, int]:
     """(train, held-out, vocabulary size) for a `TrainConfig`."""
     try:
         if cfg.task == "mqar":
-            make = lambda n, seed: tasks.mqar(n, cfg.seq_len, cfg.pairs, vocab_size=cfg.vocab, seed=seed)  # noqa: E731
+            make = lambda n, seed: tasks.mqar(n, cfg.seq_len, cfg.pairs, vocab_size=cfg.vocab, seed=seed,  # noqa: E731
+                                                 random_fill=cfg.fill == "random")
             vocab = cfg.vocab
         elif cfg.task == "phonebook":
             make = lambda n, seed: phonebook_task(n, cfg.pairs, seed=seed)  # noqa: E731

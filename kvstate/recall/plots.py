@@ -57,13 +57,24 @@ def _label(cfg: dict) -> str:
     return f"{cfg['layers']} w{cfg['width']}" + (f" k{cfg['key_dim']}" if cfg.get("key_dim") else "")
 
 
+def _best_lr(results: list[dict]) -> list[dict]:
+    """One result per model and task setting: the best over the learning rates swept (as Zoology reports)."""
+    best = {}
+    for r in results:
+        key = tuple(sorted((k, v) for k, v in r["config"].items() if k != "lr"))
+        if key not in best or r["eval_accuracy"] > best[key]["eval_accuracy"]:
+            best[key] = r
+    return list(best.values())
+
+
 def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
     """accuracy_vs_pairs.png (one line per model) and accuracy_vs_state.png (one line per layer
-    pattern and pair count) in `out_dir`; returns the paths written."""
+    pattern and pair count) in `out_dir`, each point the best learning rate where several were swept;
+    returns the paths written."""
     plt = _pyplot()
     paths = []
     by_model = defaultdict(list)
-    for r in results:
+    for r in _best_lr(results):
         by_model[_label(r["config"])].append((r["config"]["pairs"], r["eval_accuracy"]))
     if any(len(v) > 1 for v in by_model.values()):
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -80,7 +91,7 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     by_kind = defaultdict(list)
-    for r in results:
+    for r in _best_lr(results):
         size = r["state_bytes_per_layer"] or r["kv_bytes_per_layer"]
         by_kind[(r["config"]["layers"], r["config"]["pairs"])].append((size, r["eval_accuracy"]))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -97,3 +108,31 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
     return paths
+
+
+def plot_capacity(rows, path: str) -> str:
+    """`kvstate recall capacity`'s rows (CapacityRow): accuracy against pairs per key dim and mixer, and
+    accuracy against write order at the largest pair count (the newest write on the right)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    lines = defaultdict(list)
+    for r in rows:
+        lines[(r.key_dim, r.mixer, r.beta)].append(r)
+    many_dims = len({r.key_dim for r in rows}) > 1
+    for (d, mixer, beta), rs in lines.items():
+        label = ("linear attention" if beta is None else f"delta rule, beta {beta:g}") + (f", key dim {d}" if many_dims else "")
+        style = "s--" if beta is None else "o-"
+        left.plot([r.pairs for r in rs], [r.accuracy for r in rs], style, label=label)
+        last = max(rs, key=lambda r: r.pairs)
+        right.plot(range(1, last.pairs + 1), last.by_rank, style[-1] if beta is None else "-", label=label)
+    most = max(r.pairs for r in rows)
+    left.set(xlabel="pairs written", ylabel="reads right", ylim=(0, 1.02), xscale="log",
+             title="accuracy vs pairs" + ("" if many_dims else f" (key dim {rows[0].key_dim})"))
+    _plain_ticks(left, sorted({r.pairs for r in rows}))
+    right.set(xlabel="write order (1 = oldest)", ylabel="reads right", ylim=(0, 1.02),
+              title=f"who gives way: {most} pairs")
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

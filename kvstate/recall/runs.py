@@ -27,20 +27,31 @@ def _ints(text: str | None, what: str) -> list[int | None]:
     return values
 
 
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise KvstateError(f"--{what}: comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise KvstateError(f"--{what}: at least one number")
+    return values
+
+
 def configs_from_args(args: argparse.Namespace) -> list[TrainConfig]:
     """The grid the options describe (one config for `train`), each checked."""
     patterns = [p.strip().upper() for p in args.layers.split(",") if p.strip()]
     if not patterns:
         raise KvstateError("--layers: at least one layer pattern, e.g. AA or GA")
     out = []
-    for layers, pairs, width, key_dim in itertools.product(patterns, _ints(args.pairs, "pairs"),
-                                                           _ints(args.width, "width"), _ints(args.key_dim, "key-dim")):
+    grid = itertools.product(patterns, _ints(args.pairs, "pairs"), _ints(args.width, "width"),
+                             _ints(args.key_dim, "key-dim"), _floats(args.lr, "lr"))
+    for layers, pairs, width, key_dim, lr in grid:
         if "A" in layers and set(layers) == {"A"}:
             key_dim = None  # attention has no fixed state to grow
         cfg = TrainConfig(task=args.task, layers=layers, width=width, heads=args.heads, key_dim=key_dim, pairs=pairs,
-                          seq_len=args.seq_len, vocab=args.vocab, conv=not args.no_conv,
+                          seq_len=args.seq_len, vocab=args.vocab, fill=args.fill, conv=not args.no_conv,
                           train_examples=args.train_examples, eval_examples=args.eval_examples, epochs=args.epochs,
-                          batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
+                          batch_size=args.batch_size, lr=lr, weight_decay=args.weight_decay, seed=args.seed)
         _check(cfg)
         if cfg not in out:
             out.append(cfg)
@@ -116,13 +127,23 @@ def train_and_report(cfg: TrainConfig, *, out: str | None, resume: bool, quiet: 
 def _summary(console, results: list[dict]) -> None:
     from rich.table import Table
 
-    table = Table("run", "layers", "pairs", "state B/layer", "KV B/layer", "steps", "accuracy", "seconds")
+    table = Table("run", "layers", "pairs", "state B/layer", "KV B/layer", "steps", "accuracy", "oldest 1/4",
+                  "newest 1/4", "seconds")
     for r in results:
         c = r["config"]
         table.add_row(r["name"], c["layers"], str(c["pairs"]), f"{r['state_bytes_per_layer'] or '-'}",
                       f"{r['kv_bytes_per_layer'] or '-'}", f"{r['steps']}/{r['total_steps']}",
-                      f"{r['eval_accuracy']:.1%}", f"{r['train_seconds']:.0f}")
+                      f"{r['eval_accuracy']:.1%}", *_quarters(r.get("eval_by_write_rank")), f"{r['train_seconds']:.0f}")
     console.print(table)
+
+
+def _quarters(by_rank: list | None) -> tuple[str, str]:
+    """Held-out accuracy over the oldest and the newest quarter of the pairs (MQAR), '-' elsewhere."""
+    known = [a for a in by_rank or () if a is not None]
+    if not known:
+        return "-", "-"
+    q = max(1, len(known) // 4)
+    return f"{sum(known[:q]) / q:.1%}", f"{sum(known[-q:]) / q:.1%}"
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:

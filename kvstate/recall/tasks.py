@@ -80,6 +80,21 @@ def mqar_accuracy(task: TokenTask, predictions: np.ndarray) -> float:
     return float((predictions[mask] == task.targets[mask]).mean())
 
 
+def mqar_write_ranks(task: TokenTask, num_pairs: int) -> np.ndarray:
+    """For each scored position (row-major order, as `targets != IGNORE` lists them) the write order
+    of the pair it asks for: 0 for the first pair of its example, num_pairs - 1 for the last."""
+    b, t = np.nonzero(task.targets != IGNORE)
+    keys = task.inputs[:, 0 : 2 * num_pairs : 2]  # [B, P]
+    return (keys[b] == task.inputs[b, t][:, None]).argmax(1)
+
+
+def accuracy_by_rank(hits: np.ndarray, ranks: np.ndarray, num_pairs: int) -> list[float]:
+    """Mean of `hits` [R] per write rank 0 .. num_pairs - 1 (oldest first); None where nothing asked it."""
+    right = np.bincount(ranks, weights=hits.astype(np.float64), minlength=num_pairs)
+    asked = np.bincount(ranks, minlength=num_pairs)
+    return [round(float(r / a), 4) if a else None for r, a in zip(right, asked)]
+
+
 # ---- text tasks ------------------------------------------------------------------------------
 
 FIRST_NAMES = ("Alice", "Bruno", "Chloe", "Dmitri", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas",

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from kvstate.errors import KvstateError
 from kvstate.recall.data import make_sets
 from kvstate.recall.model import RecallModel
-from kvstate.recall.tasks import IGNORE, TokenTask
+from kvstate.recall.tasks import IGNORE, TokenTask, accuracy_by_rank, mqar_write_ranks
 
+FILLS = ("random", "zero")  # MQAR's non-query positions
 CHECKPOINT_EVERY = 50  # steps between checkpoints (and at every epoch's end)
 
 
@@ -36,6 +37,7 @@ class TrainConfig:
     pairs: int = 4  # MQAR pairs / phonebook entries
     seq_len: int = 64  # MQAR only
     vocab: int = 256  # MQAR only (small: a 8192-token vocabulary learns ~10x slower here)
+    fill: str = "random"  # MQAR only: non-query positions random tokens, or "zero" (Zoology's published runs)
     conv: bool = True
     train_examples: int = 20000
     eval_examples: int = 1000
@@ -48,13 +50,17 @@ class TrainConfig:
     @property
     def name(self) -> str:
         kd = f"-k{self.key_dim}" if self.key_dim else ""
-        return f"{self.task}-{self.layers}-w{self.width}{kd}-p{self.pairs}" + ("" if self.conv else "-noconv")
+        lr = "" if self.lr == TrainConfig.lr else f"-lr{self.lr:g}"
+        fill = "-zerofill" if self.fill == "zero" else ""
+        return f"{self.task}-{self.layers}-w{self.width}{kd}-p{self.pairs}{lr}{fill}" + ("" if self.conv else "-noconv")
 
     def check(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.train_examples < self.batch_size or self.eval_examples < 1:
             raise KvstateError("epochs >= 1, batch size >= 1, train examples >= batch size, eval examples >= 1")
         if not 0 < self.lr < 1 or self.weight_decay < 0:
             raise KvstateError(f"lr must be in (0, 1) and weight decay >= 0, got {self.lr}, {self.weight_decay}")
+        if self.fill not in FILLS:
+            raise KvstateError(f"fill: one of {', '.join(FILLS)}, got {self.fill!r}")
 
 
 def _rows(targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,17 +71,21 @@ def _rows(targets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: RecallModel, task: TokenTask, batch_size: int = 128) -> float:
-    """Exact accuracy: the share of scored positions whose argmax is the target."""
+def hits(model: RecallModel, task: TokenTask, batch_size: int = 128) -> np.ndarray:
+    """[R] bool: is the argmax the target, at each scored position (row-major order)."""
     model.eval()
-    right = total = 0
+    out = []
     for i in range(0, len(task.inputs), batch_size):
         rows, want = _rows(task.targets[i : i + batch_size])
         logits = model(torch.from_numpy(task.inputs[i : i + batch_size]), rows)
-        right += int((logits.argmax(-1) == want).sum())
-        total += len(want)
+        out.append((logits.argmax(-1) == want).numpy())
     model.train()
-    return right / total
+    return np.concatenate(out)
+
+
+def evaluate(model: RecallModel, task: TokenTask, batch_size: int = 128) -> float:
+    """Exact accuracy: the share of scored positions whose argmax is the target."""
+    return float(hits(model, task, batch_size).mean())
 
 
 def _optimizer(model: RecallModel, cfg: TrainConfig, total_steps: int):
@@ -114,7 +124,7 @@ def train(cfg: TrainConfig, *, checkpoint: str | None = None, resume: bool = Fal
             saved = torch.load(checkpoint, weights_only=False)
         except FileNotFoundError:
             raise KvstateError(f"nothing to resume: {checkpoint} does not exist") from None
-        if saved["config"] != asdict(cfg):
+        if {**asdict(TrainConfig()), **saved["config"]} != asdict(cfg):  # options added since: their defaults
             raise KvstateError(f"{checkpoint} was written by another configuration: {saved['config']}")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -178,4 +188,13 @@ def _result(cfg: TrainConfig, model: RecallModel, state: dict, total: int, eval_
             "state_numbers_per_layer": states,
             "state_bytes_per_layer": max(states) * 4 if any(states) else None,  # fp32 state of one sequence
             "kv_bytes_per_layer": kv_bytes if "A" in cfg.layers else None,
-            "train_seconds": round(state["seconds"], 1), "threads": torch.get_num_threads()}
+            "train_seconds": round(state["seconds"], 1), "threads": torch.get_num_threads(),
+            "eval_by_write_rank": _by_rank(cfg, model, eval_set)}
+
+
+def _by_rank(cfg: TrainConfig, model: RecallModel, eval_set: TokenTask) -> list[float] | None:
+    """MQAR: held-out accuracy per pair in write order (oldest first): which pairs the state gave up."""
+    if cfg.task != "mqar":
+        return None
+    ranks = mqar_write_ranks(eval_set, cfg.pairs)
+    return accuracy_by_rank(hits(model, eval_set), ranks, cfg.pairs)

@@ -11,9 +11,11 @@ import torch
 
 from kvstate.cli import main
 from kvstate.ops import chunk_delta_rule, chunk_linear_attention, naive_delta_rule, naive_linear_attention
-from kvstate.recall import mixers
-from kvstate.recall.data import phonebook_task
+from kvstate.recall import mixers, plots
+from kvstate.errors import KvstateError
+from kvstate.recall.data import make_sets, phonebook_task
 from kvstate.recall.model import RecallModel
+from kvstate.recall.tasks import IGNORE
 from kvstate.recall.trainer import TrainConfig, train
 
 TINY = dict(width=32, seq_len=16, pairs=2, vocab=32, train_examples=256, eval_examples=64, batch_size=32)
@@ -101,6 +103,30 @@ def test_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(value, b["model"][key]), key
 
 
+def test_resume_takes_a_checkpoint_written_before_an_option_existed(tmp_path):
+    cfg = TrainConfig(layers="LL", epochs=1, **TINY)
+    cut = str(tmp_path / "c.pt")
+    train(cfg, checkpoint=cut, stop_after=3)
+    saved = torch.load(cut, weights_only=False)
+    del saved["config"]["fill"]  # as written before --fill: its default is what that run used
+    torch.save(saved, cut)
+    assert train(cfg, checkpoint=cut, resume=True)["finished"]
+    with pytest.raises(KvstateError, match="another configuration"):
+        train(TrainConfig(layers="LL", epochs=1, fill="zero", **TINY), checkpoint=cut, resume=True)
+
+
+def test_zero_fill_leaves_only_the_pairs_and_the_queries():
+    train_set, _, _ = make_sets(TrainConfig(layers="LL", fill="zero", **{**TINY, "seq_len": 32, "pairs": 4, "vocab": 64}))
+    region = train_set.inputs[:, 8:]  # after the 4 pairs
+    queried = train_set.targets[:, 8:] != IGNORE
+    assert (region[~queried] == 0).all() and (region[queried] > 0).all()
+    random_set, _, _ = make_sets(TrainConfig(layers="LL", **{**TINY, "seq_len": 32, "pairs": 4, "vocab": 64}))
+    assert (random_set.inputs[:, 8:][random_set.targets[:, 8:] == IGNORE] != 0).mean() > 0.9
+    assert TrainConfig(fill="zero", lr=1e-3).name.endswith("-lr0.001-zerofill")
+    with pytest.raises(KvstateError, match="fill"):
+        TrainConfig(fill="noise").check()
+
+
 def test_phonebook_targets_are_the_answer_digits():
     task = phonebook_task(3, 5, queries=2, seed=4)
     for row, target in zip(task.inputs, task.targets):
@@ -148,6 +174,20 @@ def test_cli_sweep_writes_results_and_plots(capsys, tmp_path):
     assert {"sweep.json", "accuracy_vs_pairs.png", "accuracy_vs_state.png"} <= {p.name for p in tmp_path.iterdir()}
 
 
+def test_cli_sweep_over_learning_rates_plots_the_best(capsys, tmp_path):
+    args = ["recall", "sweep", "--json", "--layers", "LL", "--width", "32", "--seq-len", "16", "--pairs", "2",
+            "--vocab", "32", "--train-examples", "32", "--eval-examples", "16", "--epochs", "1", "--batch-size", "32",
+            "--lr", "1e-3,3e-3", "--fill", "zero", "--out", str(tmp_path)]
+    assert main(args) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert sorted(r["name"] for r in results) == ["mqar-LL-w32-p2-lr0.001-zerofill", "mqar-LL-w32-p2-zerofill"]
+    assert {r["config"]["fill"] for r in results} == {"zero"} and {r["config"]["lr"] for r in results} == {1e-3, 3e-3}
+    # a plot's point is the better learning rate of each model and setting
+    a, b = ({"config": {**r["config"]}, "eval_accuracy": acc} for r, acc in zip(results, (0.4, 0.7)))
+    other = {"config": {**a["config"], "pairs": 4}, "eval_accuracy": 0.1}
+    assert plots._best_lr([a, b, other]) == [b, other]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train", "--layers", "AX"], "layer pattern"),
     (["train", "--pairs", "0"], "--pairs"),
@@ -156,6 +196,9 @@ def test_cli_sweep_writes_results_and_plots(capsys, tmp_path):
     (["train", "--layers", "AA,LL"], "sweep"),
     (["train", "--width", "30", "--heads", "4"], "multiple of heads"),
     (["train", "--epochs", "0"], "epochs"),
+    (["train", "--lr", "fast"], "--lr"),
+    (["train", "--lr", "1e-3,3e-3"], "sweep"),
+    (["train", "--lr", "2"], "lr must be"),
     (["train", "--task", "needle"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):

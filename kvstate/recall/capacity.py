@@ -1,0 +1,86 @@
+"""What a fixed-size state holds, without training: write N key-value pairs into one head's
+[key_dim, value_dim] state with linear attention or the delta rule, then read every key back.
+
+The first spec document's worked example, at any size: with 2-D keys, linear attention reads two
+pairs back exactly and all three wrong once a third is written; the delta rule (beta = 1) reads the
+newest exactly and disturbs the older ones. "Capacity is still d_k; the delta rule changes who gives
+way: linear attention blurs every entry, the delta rule keeps the newest write exact." This module
+measures that with kvstate's own chunk ops on random unit keys and values: the accuracy of every
+read (is it nearer its own value than any other written value?), split by write order.
+
+Write then read runs as one sequence of 2N positions through the op: N writes, then the same N
+keys as queries whose own writes are empty (value 0 for linear attention, beta 0 for the delta
+rule), so each read sees the state after the last write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvstate.ops import chunk_delta_rule, chunk_linear_attention
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    mixer: str  # "linear attention" or "delta rule"
+    beta: float | None  # the delta rule's write strength (None for linear attention)
+    key_dim: int  # = value dim
+    pairs: int
+    accuracy: float  # reads nearer their own value than any other value written
+    newest: float  # accuracy over the newest quarter of the writes
+    oldest: float  # ... and over the oldest quarter
+    cosine: float  # mean cosine of a read with its value (scale-free: the models normalise what they read)
+    by_rank: list[float]  # accuracy per write, oldest first
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def write_then_read(keys: torch.Tensor, values: torch.Tensor, beta: float | None = None) -> torch.Tensor:
+    """keys [B, N, K], values [B, N, V] -> reads [B, N, V]: the state after the N writes read at each
+    key. beta None: linear attention (S += v k^T); else the delta rule S += beta (v - S k) k^T."""
+    b, n, _ = keys.shape
+    q = torch.cat([keys, keys], 1).unsqueeze(2)  # [B, 2N, 1, K]: writes, then reads of the same keys
+    v = torch.cat([values, torch.zeros_like(values)], 1).unsqueeze(2)  # [B, 2N, 1, V]
+    if beta is None:
+        o, _ = chunk_linear_attention(q, q, v, scale=1.0)
+    else:
+        strength = torch.cat([keys.new_full((b, n, 1), beta), keys.new_zeros(b, n, 1)], 1)  # [B, 2N, 1]
+        o, _ = chunk_delta_rule(q, q, v, strength, scale=1.0)
+    return o[:, n:, 0]
+
+
+def _score(reads: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-read hits [B, N] (own value the nearest by dot product among the N written) and the mean cosine."""
+    nearest = torch.einsum("bnv,bmv->bnm", reads, values).argmax(-1)  # [B, N]
+    hits = (nearest == torch.arange(values.shape[1])).float()
+    return hits, F.cosine_similarity(reads, values, dim=-1).mean().item()
+
+
+def random_pairs(trials: int, pairs: int, key_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit keys and values, Gaussian directions: [trials, pairs, key_dim] each."""
+    g = torch.Generator().manual_seed(seed)
+    keys = F.normalize(torch.randn(trials, pairs, key_dim, generator=g), dim=-1)
+    values = F.normalize(torch.randn(trials, pairs, key_dim, generator=g), dim=-1)
+    return keys, values
+
+
+def capacity_rows(key_dims: list[int], pairs: list[int], betas: list[float], *, trials: int = 256,
+                  seed: int = 0) -> list[CapacityRow]:
+    """One row per key dim x pair count x mixer (linear attention, then the delta rule at each beta);
+    every mixer reads the same random pairs."""
+    rows = []
+    for d in key_dims:
+        for n in pairs:
+            keys, values = random_pairs(trials, n, d, seed)
+            quarter = max(1, n // 4)
+            for beta in [None, *betas]:
+                hits, cosine = _score(write_then_read(keys, values, beta), values)
+                rank = hits.mean(0)  # [N] oldest first
+                rows.append(CapacityRow("linear attention" if beta is None else "delta rule", beta, d, n,
+                                        hits.mean().item(), rank[-quarter:].mean().item(),
+                                        rank[:quarter].mean().item(), cosine, [round(x, 4) for x in rank.tolist()]))
+    return rows
