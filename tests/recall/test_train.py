@@ -151,7 +151,8 @@ def test_cli_train_json(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["curve"] == result["curve"]
     assert main([a for a in args if a != "--json"] + ["--resume"]) == 0  # for humans: a table
     out = capsys.readouterr().out
-    assert "mqar-GA-w32-p2" in out and "accuracy" in out and "{" not in out
+    assert "mqar-GA-w32-p2" in out and "accuracy" in out and "newest 1/4" in out and "{" not in out
+    assert len(result["eval_by_write_rank"]) == 2  # MQAR: accuracy per pair, oldest first
 
 
 def test_recall_without_subcommand_prints_help(capsys):
