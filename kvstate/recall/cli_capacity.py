@@ -1,5 +1,6 @@
 """`kvstate recall capacity`: write N random key-value pairs into one head's state with linear
-attention and with the delta rule, read every key back, and print who gives way (no training).
+attention (plain and gated by a decay) and with the delta rule, read every key back, and print who
+gives way (no training).
 
 For each key dim and pair count: the fraction of reads nearer their own value than any other
 written value, over all writes and over the newest and oldest quarter, and the mean cosine of a
@@ -15,10 +16,14 @@ import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--key-dim", default="16", metavar="K,K,...", help="key (= value) dims of the state (default: 16)")
-    parser.add_argument("--pairs", default="4,8,16,32,64", metavar="N,N,...", help="pairs written (default: 4,8,16,32,64)")
+    parser.add_argument("--key-dim", default="16", metavar="K,K,...",
+                        help="key (= value) dims of the state (default: 16)")
+    parser.add_argument("--pairs", default="4,8,16,32,64", metavar="N,N,...",
+                        help="pairs written (default: 4,8,16,32,64)")
     parser.add_argument("--beta", default="1,0.5,0.25", metavar="B,B,...",
                         help="the delta rule's write strengths, in (0, 1] (default: 1,0.5,0.25)")
+    parser.add_argument("--decay", default="0.9", metavar="A,A,...",
+                        help="gated linear attention's decays per write, in (0, 1]; '' for none (default: 0.9)")
     parser.add_argument("--trials", type=int, default=256, help="random sets of pairs per setting (default: 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the keys and values (default: 0)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="write the plot (.png or .svg)")
@@ -43,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     key_dims = _numbers("--key-dim", args.key_dim, int, 1, 512)
     pairs = _numbers("--pairs", args.pairs, int, 1, 4096)
     betas = _numbers("--beta", args.beta, float, 1e-6, 1.0)
+    decays = _numbers("--decay", args.decay, float, 1e-6, 1.0) if args.decay.strip() else []
     if not 1 <= args.trials <= 100_000:
         raise KvstateError(f"--trials: from 1 to 100000, got {args.trials}")
     if args.plot:
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.recall.capacity import capacity_rows
 
     torch.set_num_threads(1)  # small ops: one thread is faster here, and leaves the other core alone
-    rows = capacity_rows(key_dims, pairs, betas, trials=args.trials, seed=args.seed)
+    rows = capacity_rows(key_dims, pairs, betas, decays=decays, trials=args.trials, seed=args.seed)
     if args.plot:
         from kvstate.recall.plots import plot_capacity
 
@@ -71,12 +77,13 @@ def _print_table(rows, args) -> None:
     from rich.table import Table
 
     from kvstate.commands.console import make_console
+    from kvstate.recall.capacity import mixer_label
 
     table = Table(title="what one head's state holds: write N pairs, read every key back")
     for name in ("key dim", "pairs", "mixer", "accuracy", "newest 1/4", "oldest 1/4", "cosine"):
         table.add_column(name, justify="left" if name == "mixer" else "right")
     for r in rows:
-        mixer = r.mixer if r.beta is None else f"{r.mixer}, beta {r.beta:g}"
+        mixer = mixer_label(r)
         table.add_row(str(r.key_dim), str(r.pairs), mixer, f"{r.accuracy:.1%}", f"{r.newest:.1%}", f"{r.oldest:.1%}",
                       f"{r.cosine:.3f}")
     console = make_console()

@@ -115,16 +115,18 @@ def plot_capacity(rows, path: str) -> str:
     accuracy against write order at the largest pair count (the newest write on the right)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    from kvstate.recall.capacity import mixer_label
+
     lines = defaultdict(list)
     for r in rows:
-        lines[(r.key_dim, r.mixer, r.beta)].append(r)
+        lines[(r.key_dim, mixer_label(r))].append(r)
     many_dims = len({r.key_dim for r in rows}) > 1
-    for (d, mixer, beta), rs in lines.items():
-        label = ("linear attention" if beta is None else f"delta rule, beta {beta:g}") + (f", key dim {d}" if many_dims else "")
-        style = "s--" if beta is None else "o-"
+    for (d, label), rs in lines.items():
+        label += f", key dim {d}" if many_dims else ""
+        style = {"linear attention": "s--", "gated linear attention": "^:"}.get(rs[0].mixer, "o-")
         left.plot([r.pairs for r in rs], [r.accuracy for r in rs], style, label=label)
         last = max(rs, key=lambda r: r.pairs)
-        right.plot(range(1, last.pairs + 1), last.by_rank, style[-1] if beta is None else "-", label=label)
+        right.plot(range(1, last.pairs + 1), last.by_rank, style[1:], label=label)
     most = max(r.pairs for r in rows)
     left.set(xlabel="pairs written", ylabel="reads right", ylim=(0, 1.02), xscale="log",
              title="accuracy vs pairs" + ("" if many_dims else f" (key dim {rows[0].key_dim})"))

@@ -43,6 +43,18 @@ def test_reads_equal_the_state_the_op_leaves():
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_a_decay_shrinks_every_older_write_alike():
+    # orthonormal keys: S = sum_i a^(N-1-i) v_i k_i^T, so key i reads a^(N-1-i) v_i exactly
+    keys = torch.eye(6, dtype=torch.float64)[None, :5]  # [1, 5, 6]
+    values = torch.randn(1, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    scale = torch.tensor([0.8 ** (4 - i) for i in range(5)], dtype=torch.float64)[None, :, None]
+    torch.testing.assert_close(write_then_read(keys, values, decay=0.8), values * scale)
+    torch.testing.assert_close(write_then_read(keys, values, decay=1.0), values)
+    torch.testing.assert_close(write_then_read(keys, values, beta=1.0), values)  # the delta rule erases by overlap
+    with pytest.raises(ValueError, match="linear attention only"):
+        write_then_read(keys, values, beta=1.0, decay=0.9)
+
+
 def test_delta_rule_keeps_the_newest_write_exact_past_capacity():
     keys, values = random_pairs(8, 40, 8, seed=2)  # 5x more pairs than key dims
     keys, values = F.normalize(keys.double(), dim=-1), values.double()  # unit to fp64 precision
@@ -52,8 +64,10 @@ def test_delta_rule_keeps_the_newest_write_exact_past_capacity():
 
 
 def test_who_gives_way_past_capacity():
-    rows = {(r.mixer, r.beta): r for r in capacity_rows([16], [48], [1.0], trials=64, seed=0)}
+    rows = {(r.mixer, r.beta): r for r in capacity_rows([16], [48], [1.0], decays=[0.9], trials=64, seed=0)}
     la, delta = rows[("linear attention", None)], rows[("delta rule", 1.0)]
+    gated = rows[("gated linear attention", None)]
+    assert gated.decay == 0.9 and gated.newest > la.newest + 0.3 and gated.oldest < 0.1  # a gate forgets the old too
     # linear attention blurs every pair alike; the delta rule keeps the newest and loses the oldest
     assert abs(la.newest - la.oldest) < 0.1
     assert delta.newest > 0.5 > 0.1 > delta.oldest
@@ -90,14 +104,19 @@ def test_cli_capacity_json_and_plot(capsys, tmp_path):
             "--plot", str(plot)]
     assert main(args + ["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 2 * 2 * 3  # key dims x pairs x (linear attention + two betas)
-    assert {(r["mixer"], r["beta"]) for r in rows} == {("linear attention", None), ("delta rule", 1.0),
-                                                     ("delta rule", 0.5)}
-    assert set(rows[0]) == {"mixer", "beta", "key_dim", "pairs", "accuracy", "newest", "oldest", "cosine", "by_rank"}
+    assert len(rows) == 2 * 2 * 4  # key dims x pairs x (linear attention, decay 0.9 (the default), two betas)
+    assert {(r["mixer"], r["beta"], r["decay"]) for r in rows} == {
+        ("linear attention", None, None), ("gated linear attention", None, 0.9), ("delta rule", 1.0, None),
+        ("delta rule", 0.5, None)}
+    assert set(rows[0]) == {"mixer", "beta", "decay", "key_dim", "pairs", "accuracy", "newest", "oldest", "cosine",
+                            "by_rank"}
     assert plot.stat().st_size > 10_000
     assert main(args) == 0  # for humans: a table
     out = capsys.readouterr().out
-    assert "delta rule, beta 0.5" in out and "newest 1/4" in out and "{" not in out
+    assert "delta rule, beta 0.5" in out and "gated linear attention, decay 0.9" in out and "newest 1/4" in out
+    assert "{" not in out
+    assert main(args + ["--decay", "", "--json"]) == 0  # no gated rows
+    assert {r["mixer"] for r in json.loads(capsys.readouterr().out)} == {"linear attention", "delta rule"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -106,6 +125,7 @@ def test_cli_capacity_json_and_plot(capsys, tmp_path):
     (["--beta", "1.5"], "--beta"),
     (["--beta", "0"], "--beta"),
     (["--trials", "0"], "--trials"),
+    (["--decay", "1.5"], "--decay"),
     (["--plot", "/no-such-dir/capacity.png"], "no such directory"),
     (["--plot", "capacity.pdf"], "must end in .png or .svg"),
 ])
