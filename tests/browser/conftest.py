@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+STEP_PACE = 0.005  # seconds the test engine waits after each step (see `live`)
 OUT = Path(__file__).resolve().parents[2] / "out" / "explorer"  # gitignored: screenshots of the last run
 
 
@@ -43,6 +45,10 @@ def live(tmp_path_factory):
     ckpt = write_checkpoint(tmp_path_factory.mktemp("browser-ckpt"))
     app = explorer_app(ckpt)
     with ServerThread(app) as url:
+        # The tiny model takes ~1 ms a step on an idle machine: 600 tokens then finish between two of
+        # the page's polls (every 400 ms) and no test sees a request run. A real model takes 10-100 ms;
+        # pace the engine at one step per STEP_PACE seconds at least (observers run between steps).
+        app.state.engine_loop.step_observers.append(lambda core, outs, seconds: time.sleep(STEP_PACE))
         yield url, app, ckpt
 
 
