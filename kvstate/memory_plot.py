@@ -18,7 +18,6 @@ from kvstate.errors import KvstateError
 from kvstate.memory import crossover_tokens, format_bytes, format_tokens
 
 
-
 def hypothetical_curves(plan: ModelPlan, kv_dtype: str) -> dict[str, int]:
     """Bytes per token if every layer were the model's attention, as MHA and as it is.
 

@@ -28,8 +28,8 @@ from kvstate.ops import chunk_delta_rule, chunk_gated_linear_attention, chunk_li
 
 @dataclass(frozen=True)
 class CapacityRow:
-    mixer: str  # "linear attention", "gated linear attention" or "delta rule"
-    beta: float | None  # the delta rule's write strength (None otherwise)
+    beta: float | None  # the delta rule's write strength (None: linear attention)
+    decay: float | None  # gated linear attention: the state is multiplied by it at every write
     key_dim: int  # = value dim
     pairs: int
     accuracy: float  # reads nearer their own value than any other value written
@@ -37,10 +37,15 @@ class CapacityRow:
     oldest: float  # ... and over the oldest quarter
     cosine: float  # mean cosine of a read with its value (scale-free: the models normalise what they read)
     by_rank: list[float]  # accuracy per write, oldest first
-    decay: float | None = None  # gated linear attention: the state is multiplied by it at every write
+
+    @property
+    def mixer(self) -> str:
+        if self.beta is not None:
+            return "delta rule"
+        return "linear attention" if self.decay is None else "gated linear attention"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"mixer": self.mixer, **asdict(self)}
 
 
 def mixer_label(row: CapacityRow) -> str:
@@ -90,17 +95,15 @@ def capacity_rows(key_dims: list[int], pairs: list[int], betas: list[float], *, 
                   trials: int = 256, seed: int = 0) -> list[CapacityRow]:
     """One row per key dim x pair count x mixer (linear attention, gated linear attention at each
     decay, the delta rule at each beta); every mixer reads the same random pairs."""
-    mixers = [("linear attention", None, None), *(("gated linear attention", None, a) for a in decays),
-              *(("delta rule", b, None) for b in betas)]
+    mixers = [(None, None), *((None, a) for a in decays), *((b, None) for b in betas)]  # (beta, decay)
     rows = []
     for d in key_dims:
         for n in pairs:
             keys, values = random_pairs(trials, n, d, seed)
             quarter = max(1, n // 4)
-            for mixer, beta, decay in mixers:
+            for beta, decay in mixers:
                 hits, cosine = _score(write_then_read(keys, values, beta, decay), values)
                 rank = hits.mean(0)  # [N] oldest first
-                rows.append(CapacityRow(mixer, beta, d, n, hits.mean().item(), rank[-quarter:].mean().item(),
-                                        rank[:quarter].mean().item(), cosine, [round(x, 4) for x in rank.tolist()],
-                                        decay))
+                rows.append(CapacityRow(beta, decay, d, n, hits.mean().item(), rank[-quarter:].mean().item(),
+                                        rank[:quarter].mean().item(), cosine, [round(x, 4) for x in rank.tolist()]))
     return rows

@@ -30,30 +30,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
-def _numbers(flag: str, text: str, kind, low, high) -> list:
-    from kvstate.errors import KvstateError
-
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvstateError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not low <= v <= high for v in values):
-        raise KvstateError(f"{flag}: each from {low} to {high}, got {text!r}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
+    from kvstate.commands.number_list import number_list
+    from kvstate.commands.plot_path import check_plot_path
     from kvstate.errors import KvstateError
 
-    key_dims = _numbers("--key-dim", args.key_dim, int, 1, 512)
-    pairs = _numbers("--pairs", args.pairs, int, 1, 4096)
-    betas = _numbers("--beta", args.beta, float, 1e-6, 1.0)
-    decays = _numbers("--decay", args.decay, float, 1e-6, 1.0) if args.decay.strip() else []
+    key_dims = number_list("--key-dim", args.key_dim, int, 1, 512)
+    pairs = number_list("--pairs", args.pairs, int, 1, 4096)
+    betas = number_list("--beta", args.beta, float, 1e-6, 1.0)
+    decays = number_list("--decay", args.decay, float, 1e-6, 1.0) if args.decay.strip() else []
     if not 1 <= args.trials <= 100_000:
         raise KvstateError(f"--trials: from 1 to 100000, got {args.trials}")
     if args.plot:
-        from kvstate.commands.plot_path import check_plot_path
-
         check_plot_path(args.plot)
     import torch
 
@@ -83,8 +71,7 @@ def _print_table(rows, args) -> None:
     for name in ("key dim", "pairs", "mixer", "accuracy", "newest 1/4", "oldest 1/4", "cosine"):
         table.add_column(name, justify="left" if name == "mixer" else "right")
     for r in rows:
-        mixer = mixer_label(r)
-        table.add_row(str(r.key_dim), str(r.pairs), mixer, f"{r.accuracy:.1%}", f"{r.newest:.1%}", f"{r.oldest:.1%}",
+        table.add_row(str(r.key_dim), str(r.pairs), mixer_label(r), f"{r.accuracy:.1%}", f"{r.newest:.1%}", f"{r.oldest:.1%}",
                       f"{r.cosine:.3f}")
     console = make_console()
     console.print(table)

@@ -33,30 +33,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_weight_dtype(parser)  # e.g. int8: does the model still recall exactly with quantized projections?
 
 
-def parse_sizes(text: str) -> list[int]:
-    from kvstate.errors import KvstateError
-
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KvstateError(f"--entries: expected comma-separated book sizes, got {text!r}") from None
-    if not sizes or any(not 1 <= s <= 520 for s in sizes):
-        raise KvstateError(f"--entries: book sizes from 1 to 520, got {text!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> int:
     from kvstate.commands.console import make_console
+    from kvstate.commands.number_list import number_list
+    from kvstate.commands.plot_path import check_plot_path
     from kvstate.errors import KvstateError
     from kvstate.hub import resolve_checkpoint
     from kvstate.shipped import DEFAULT_MODEL
 
-    sizes = parse_sizes(args.entries)
+    sizes = number_list("--entries", args.entries, int, 1, 520)  # book sizes
     if args.queries < 1 or not 1 <= args.digits <= 12:
         raise KvstateError("--queries must be positive and --digits from 1 to 12")
     if args.plot:
-        from kvstate.commands.plot_path import check_plot_path
-
         check_plot_path(args.plot)  # before the models run, not after
     names = args.model or [DEFAULT_MODEL]
     paths = [resolve_checkpoint(name) for name in names]  # every model checked before any runs

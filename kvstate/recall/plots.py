@@ -73,8 +73,9 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
     returns the paths written."""
     plt = _pyplot()
     paths = []
+    results = _best_lr(results)
     by_model = defaultdict(list)
-    for r in _best_lr(results):
+    for r in results:
         by_model[_label(r["config"])].append((r["config"]["pairs"], r["eval_accuracy"]))
     if any(len(v) > 1 for v in by_model.values()):
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
@@ -91,7 +92,7 @@ def plot_sweep(results: list[dict], out_dir: str) -> list[str]:
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     by_kind = defaultdict(list)
-    for r in _best_lr(results):
+    for r in results:
         size = r["state_bytes_per_layer"] or r["kv_bytes_per_layer"]
         by_kind[(r["config"]["layers"], r["config"]["pairs"])].append((size, r["eval_accuracy"]))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 
+from kvstate.commands.number_list import number_list
 from kvstate.errors import KvstateError
 from kvstate.recall.trainer import TrainConfig
 
@@ -16,25 +17,8 @@ RESULT, CHECKPOINT = "result.json", "checkpoint.pt"
 
 
 def _ints(text: str | None, what: str) -> list[int | None]:
-    if text is None:
-        return [None]
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise KvstateError(f"--{what}: comma-separated whole numbers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise KvstateError(f"--{what}: positive whole numbers, got {text!r}")
-    return values
-
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise KvstateError(f"--{what}: comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise KvstateError(f"--{what}: at least one number")
-    return values
+    """Positive whole numbers; [None] when the option was not given (its default applies)."""
+    return [None] if text is None else number_list(f"--{what}", text, int, 1)
 
 
 def configs_from_args(args: argparse.Namespace) -> list[TrainConfig]:
@@ -44,7 +28,7 @@ def configs_from_args(args: argparse.Namespace) -> list[TrainConfig]:
         raise KvstateError("--layers: at least one layer pattern, e.g. AA or GA")
     out = []
     grid = itertools.product(patterns, _ints(args.pairs, "pairs"), _ints(args.width, "width"),
-                             _ints(args.key_dim, "key-dim"), _floats(args.lr, "lr"))
+                             _ints(args.key_dim, "key-dim"), number_list("--lr", args.lr, float))
     for layers, pairs, width, key_dim, lr in grid:
         if "A" in layers and set(layers) == {"A"}:
             key_dim = None  # attention has no fixed state to grow
