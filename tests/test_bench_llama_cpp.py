@@ -76,7 +76,8 @@ def test_run_llama_bench_passes_the_options_and_reports_failures(tmp_path):
 
 def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, tmp_path):
     binary, gguf = fake_llama_bench(tmp_path)
-    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "1,2", "--prompt-len", "6",
+    # the profile's batch 2 is above every measured batch: the engine is sized for it too
+    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "1", "--prompt-len", "6",
                  "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--profile", "1,2",
                  "--llama-bench", binary, "--gguf", gguf, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -91,6 +92,7 @@ def test_bench_engine_prints_llama_cpp_beside_ours_and_the_step_profile(capsys, 
     assert all(0 < r["bandwidth_fraction"] for r in out["rows"] if r["phase"] == "decode")
     assert set(out["step_profile"]) == {"1", "1 per-op", "2", "2 per-op"}
     for b in ("1", "2"):
+        assert out["step_profile"][b]["batch"] == out["step_profile"][f"{b} per-op"]["batch"] == int(b)
         prof = out["step_profile"][b]  # compiled blocks (the quick model's blocks are all served), when built
         assert (prof["parts"]["compiled blocks"] > 0) == (_ext.load() is not None)
         assert all(v >= 0 for v in prof["parts"].values()), prof
@@ -135,10 +137,27 @@ def test_bench_engine_llama_arguments_are_checked_first(capsys, tmp_path):
     binary, _ = fake_llama_bench(tmp_path)
     assert main(["bench", "engine", "--quick", "--llama-bench", binary, "--gguf", str(tmp_path / "missing")]) == 2
     assert "--gguf" in capsys.readouterr().err
-    for bad in (["--rounds", "0"], ["--rounds", "3"]):  # a count >= 1; above 1 only against llama.cpp
-        assert main(["bench", "engine", "--quick", *bad]) == 2
-        err = capsys.readouterr().err
-        assert "--rounds" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_:  # a count >= 1 (argparse's one line) ...
+        main(["bench", "engine", "--quick", "--rounds", "0"])
+    assert exit_.value.code == 2
+    assert main(["bench", "engine", "--quick", "--rounds", "3"]) == 2  # ... above 1 only against llama.cpp
+    err = capsys.readouterr().err
+    assert "--rounds" in err and err.count("\n") == 2
+
+
+def test_a_profiled_step_that_is_not_one_token_of_each_sequence_is_refused():
+    # an engine with too few sequence slots, or a token budget that chunks the prompts, runs
+    # another batch than the one asked for: the profile says so instead of labelling it wrongly
+    from kvstate.bench.step_profile import _check_decode
+    from kvstate.engine.scheduler_output import SchedulerOutput
+
+    step = SchedulerOutput(block_size=16)
+    step.num_tokens = [1, 1]
+    _check_decode(step, 2)
+    for tokens in ([1], [1, 5], [1, 1, 1]):
+        step.num_tokens = tokens
+        with pytest.raises(KvstateError, match="max_num_seqs or max_num_batched_tokens"):
+            _check_decode(step, 2)
 
 
 def test_profile_timers_are_removed_afterwards():
@@ -191,5 +210,6 @@ def test_llama_prompt_0_runs_llama_cpp_decode_only(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert [r["test"] for r in out["llama_cpp"]] == ["tg64"] and list(out["vs_llama_cpp"]) == [
         "decode b=1 vs model-bf16.gguf tg64"]
-    assert main(argv + ["--llama-prompt", "-1"]) == 2
-    assert "--llama-prompt -1: a token count >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv + ["--llama-prompt", "-1"])
+    assert "argument --llama-prompt: must be at least 0, got -1" in capsys.readouterr().err

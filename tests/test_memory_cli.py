@@ -117,7 +117,6 @@ def test_plot_option(capsys, tmp_path):
     (["--context", "32q"], "--context: cannot read '32q'"),
     (["--gpu-memory", "lots"], "--gpu-memory: cannot read 'lots'"),
     (["--kv-dtype", "int3"], "--kv-dtype: unknown dtype 'int3'"),
-    (["--batch", "0"], "--batch: must be a positive"),
     (["qwen3.5-0.8b", "--plot", "chart.pdf"], "must end in .png or .svg"),
 ])
 def test_errors_are_one_line_exit_2(capsys, argv, needle):

@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 
+from kvstate.commands.arg_types import count_arg, decode_tokens_arg, whole_number
 from kvstate.commands.engine_args import add_weight_dtype
 
 
@@ -33,19 +34,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint to measure (default: a random Qwen3.5-style one, ~0.5B; quick: small)")
     parser.add_argument("--quick", action="store_true", help="a small model, short prompts (seconds)")
     parser.add_argument("--batches", default="1,8,32", help="decode batch sizes")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 128; quick 32)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32; quick 8)")
-    parser.add_argument("--prefill-len", type=int, default=None, help="prompt of the prefill measurement (default 512)")
+    parser.add_argument("--prompt-len", type=count_arg, default=None,
+                        help="prompt tokens per request (default 128; quick 32)")
+    parser.add_argument("--new-tokens", type=decode_tokens_arg, default=None,
+                        help="tokens generated per request (default 32; quick 8)")
+    parser.add_argument("--prefill-len", type=count_arg, default=None,
+                        help="prompt of the prefill measurement (default 512)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
     parser.add_argument("--profile", nargs="?", const="1", default=None, metavar="BATCHES",
                         help="time the parts of a decode step at these batch sizes (default 1)")
     parser.add_argument("--llama-bench", metavar="PATH", default=None, help="llama.cpp's llama-bench binary")
     parser.add_argument("--gguf", metavar="FILE", action="append", default=[],
                         help="the same model as GGUF for --llama-bench (repeatable: f32, bf16, ...)")
-    parser.add_argument("--llama-gen", type=int, default=64, help="llama-bench's decode tokens, -n (default 64)")
-    parser.add_argument("--llama-prompt", type=int, default=None, metavar="N",
+    parser.add_argument("--llama-gen", type=count_arg, default=64, help="llama-bench's decode tokens, -n (default 64)")
+    parser.add_argument("--llama-prompt", type=whole_number(0), default=None, metavar="N",
                         help="llama-bench's prefill tokens, -p (default: --prefill-len; 0: decode only)")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=count_arg, default=1,
                         help="with --llama-bench: also alternate N batch-1 decode runs of kvstate and "
                              "llama.cpp and print the median ratio (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
@@ -59,10 +63,8 @@ def _check_llama_args(args) -> None:
 
     if bool(args.llama_bench) != bool(args.gguf):
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
-    if args.rounds < 1 or (args.rounds > 1 and not args.llama_bench):
-        raise KvstateError(f"--rounds {args.rounds}: a count >= 1, above 1 only with --llama-bench")
-    if args.llama_prompt is not None and args.llama_prompt < 0:
-        raise KvstateError(f"--llama-prompt {args.llama_prompt}: a token count >= 0 (0: llama.cpp's decode only)")
+    if args.rounds > 1 and not args.llama_bench:  # (counts below 1 are refused when parsed)
+        raise KvstateError(f"--rounds {args.rounds}: above 1 only with --llama-bench")
     for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
         if path and not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
@@ -128,16 +130,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstate.bench.timing import measure_read_bandwidth, start
 
+    from kvstate.commands.number_list import number_list
+
     _check_llama_args(args)
-    profile_batches = [int(b) for b in args.profile.split(",")] if args.profile else []
+    batches = number_list("--batches", args.batches, low=1)
+    profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
     console, limits = start(args)
     with console.status("measuring the read bandwidth (sum of 1 GiB)"):
         read_bw = measure_read_bandwidth(0.125 if args.quick else 1.0)
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
     prefill_len = args.prefill_len or (128 if args.quick else 512)
-    batches = [int(b) for b in args.batches.split(",")]
-    llm_args = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(prefill_len, max(batches) * plen),
+    most = max(batches + profile_batches)  # the engine runs the largest measured or profiled batch at once
+    llm_args = dict(max_num_seqs=most, max_num_batched_tokens=max(prefill_len, most * plen),
                     max_model_len=max(prefill_len, plen + new) + 16, weight_dtype=args.weight_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):

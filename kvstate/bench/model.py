@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstate.commands.arg_types import count_arg
 from kvstate.commands.engine_args import add_weight_dtype
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and a short prompt (seconds)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 2048; quick 256)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per side (best is reported)")
+    parser.add_argument("--prompt-len", type=count_arg, default=None, help="prompt tokens (default 2048; quick 256)")
+    parser.add_argument("--repeats", type=count_arg, default=2, help="timed runs per side (best is reported)")
     add_weight_dtype(parser)  # kvstate's weight matrices; transformers stays fp32
 
 

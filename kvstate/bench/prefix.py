@@ -24,6 +24,8 @@ import json
 import random
 import time
 
+from kvstate.commands.arg_types import seed_arg
+
 POLICIES = {"off": {}, "aligned": {"enable_prefix_caching": True, "prefix_align": 1024, "snapshot_interval": 1024},
             "kvstate": {"enable_prefix_caching": True, "snapshot_interval": 512}}
 SHAPES = {  # conversations, turns, system prompt, user message, reply tokens, alignment of "aligned"
@@ -34,7 +36,7 @@ SHAPES = {  # conversations, turns, system prompt, user message, reply tokens, a
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and short conversations (seconds)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the conversations' token ids")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the conversations' token ids")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -23,6 +23,8 @@ import argparse
 import json
 import time
 
+from kvstate.commands.arg_types import count_arg, decode_tokens_arg
+
 DRAFT_DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
                   linear_key_head_dim=64, linear_value_head_dim=64)
@@ -31,9 +33,10 @@ DRAFT_DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, n
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small target, short runs (seconds)")
     parser.add_argument("--ks", default=None, help="drafted tokens per step to try (default 2,4,8; quick 2,4)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; quick 32)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated (default 64; quick 16)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts (default 2)")
+    parser.add_argument("--prompt-len", type=count_arg, default=None, help="prompt tokens (default 128; quick 32)")
+    parser.add_argument("--new-tokens", type=decode_tokens_arg, default=None,
+                        help="tokens generated (default 64; quick 16)")
+    parser.add_argument("--repeats", type=count_arg, default=2, help="runs per row; the fastest counts (default 2)")
     parser.add_argument("--methods", default="oracle,ngram,draft", help="which drafters (default: all three)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="target checkpoint or shipped model name (default: a random Qwen3.5-style one)")

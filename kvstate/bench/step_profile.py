@@ -92,7 +92,8 @@ def _timer(fn, part: str, totals: dict[str, float]):
 
 def profile_decode(llm, prompts: list[list[int]], steps: int, per_op: bool = False) -> dict:
     """Run prefill, then `steps` decode steps of the prompts (one batch) timing each part;
-    returns {"step_s": mean seconds per step, "parts": {part: mean seconds per step}}.
+    returns {"step_s": mean seconds per step, "batch": sequences every step decoded,
+    "parts": {part: mean seconds per step}}.
     per_op: every block op by op (`decode_blocks.per_op`), not as compiled blocks."""
     from kvstate.models.decode_blocks import per_op as op_by_op
 
@@ -115,6 +116,7 @@ def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
             t0 = time.perf_counter()
             core.step()
             total += time.perf_counter() - t0
+            _check_decode(core.last_step, len(prompts))
     while core.has_unfinished():
         core.step()
     inner = sum(raw[p] for p in _INNER)
@@ -122,7 +124,17 @@ def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
     parts["model other"] = raw["model"] - inner
     parts["runner other"] = raw["runner"] - raw["model"] - raw["sampling"]
     parts["engine other"] = total - raw["runner"]
-    return dict(step_s=total / steps, parts={p: parts[p] / steps for p in PARTS})
+    return dict(step_s=total / steps, batch=len(prompts), parts={p: parts[p] / steps for p in PARTS})
+
+
+def _check_decode(step, batch: int) -> None:
+    """A timed step must decode one token of each of the batch's sequences: an engine with fewer
+    sequence slots (max_num_seqs), or a token budget that chunks the prompts, would time another batch."""
+    from kvstate.errors import KvstateError
+
+    if step.num_tokens != [1] * batch:
+        raise KvstateError(f"a profiled step computed {step.total_tokens} tokens of {len(step)} sequences, not one of "
+                           f"each of {batch}: the engine's max_num_seqs or max_num_batched_tokens is too small")
 
 
 def profile_table(profiles: dict, weight_bytes: int):

@@ -14,13 +14,18 @@ import argparse
 import json
 import time
 
+from kvstate.commands.arg_types import count_arg, decode_tokens_arg, whole_number
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model, short prompts (seconds)")
-    parser.add_argument("--tp", type=int, default=2, help="ranks of the parallel side (default 2)")
-    parser.add_argument("--batch", type=int, default=4, help="decode batch (default 4)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="decode tokens per request (default 16; quick 4)")
-    parser.add_argument("--prefill-len", type=int, default=None, help="prefill prompt tokens (default 512; quick 64)")
+    parser.add_argument("--tp", type=whole_number(2, "the parallel side"), default=2,
+                        help="ranks of the parallel side (default 2)")
+    parser.add_argument("--batch", type=count_arg, default=4, help="decode batch (default 4)")
+    parser.add_argument("--new-tokens", type=decode_tokens_arg, default=None,
+                        help="decode tokens per request (default 16; quick 4)")
+    parser.add_argument("--prefill-len", type=count_arg, default=None,
+                        help="prefill prompt tokens (default 512; quick 64)")
 
 
 def _measure(llm, prefill: list[int], prompts: list[list[int]], new: int, group=None) -> dict:

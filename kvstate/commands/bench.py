@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from kvstate.commands.arg_types import count_arg
+
 # what -> (module in kvstate.bench, help). Each module has configure(parser) and run(args).
 BENCHES: dict[str, tuple[str, str]] = {
     "ops": ("kvstate.bench.ops", "every op and form: ms, tokens/s, GFLOP/s, ratio to transformers"),
@@ -22,7 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for name, (module_name, help_text) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--json", action="store_true", help="print machine-readable results")
-        p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        p.add_argument("--threads", type=count_arg, default=None, help="torch threads (default: all cores)")
         p.set_defaults(_bench_module=module_name)
         # The bench module's own options; its import must stay light (no torch at module level).
         importlib.import_module(module_name).configure(p)

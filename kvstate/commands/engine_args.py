@@ -6,17 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstate.commands.arg_types import count_arg
 from kvstate.errors import KvstateError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, got {value}")
-    return value
 
 
 def weight_dtype_arg(text: str) -> str:
@@ -37,7 +28,7 @@ def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
 
 def add_tp_arg(parser: argparse.ArgumentParser) -> None:
     """--tp N: tensor parallelism over N processes (gloo on CPU, spawned on 127.0.0.1, or torchrun's)."""
-    parser.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--tp", type=count_arg, default=1, metavar="N",
                         help="shard the model and its caches over N processes (tensor parallelism; default: 1); "
                              "--cache-memory is then per process")
 
@@ -46,7 +37,7 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     """--cache-memory and --max-model-len."""
     parser.add_argument("--cache-memory", default=None, metavar="SIZE",
                         help="KV + state pool budget, e.g. 4GiB (default: a fraction of the free memory)")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--max-model-len", type=count_arg, default=None, metavar="N",
                         help="longest prompt + output in tokens, at most the model's (default: the model's "
                              "max_position_embeddings)")
 
@@ -54,12 +45,12 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """--spec-ngram, --spec-model, --spec-tokens, --speculative-config (read by `speculative_config`)."""
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
-    spec.add_argument("--spec-ngram", type=_positive_int, default=None, metavar="K",
+    spec.add_argument("--spec-ngram", type=count_arg, default=None, metavar="K",
                       help="draft K tokens per step by prompt lookup (the continuation of the last n-gram's "
                            "latest earlier occurrence)")
     spec.add_argument("--spec-model", default=None, metavar="PATH",
                       help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
-    spec.add_argument("--spec-tokens", type=_positive_int, default=4, metavar="K",
+    spec.add_argument("--spec-tokens", type=count_arg, default=4, metavar="K",
                       help="tokens the draft model proposes per step (default: 4)")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help="vLLM's dict, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "

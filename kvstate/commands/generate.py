@@ -15,8 +15,9 @@ import sys
 import time
 from collections import Counter
 
+from kvstate.commands.arg_types import count_arg, seed_arg, whole_number
 from kvstate.commands.engine_args import (  # noqa: F401 (speculative_config is used by run)
-    _positive_int, add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
+    add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
 from kvstate.errors import KvstateError
 
 
@@ -30,22 +31,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="wrap each prompt as a user message in the checkpoint's chat template")
     parser.add_argument("--system", default=None, metavar="TEXT", help="system message of the chat template (needs --chat)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N",
+    parser.add_argument("--max-tokens", type=count_arg, default=64, metavar="N",
                         help="most tokens to generate per prompt (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
                         help="sampling temperature; 0 = greedy (default: 0)")
-    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the k most likely tokens; 0 = off (default: 0)")
+    parser.add_argument("--top-k", type=whole_number(0), default=0, metavar="K",
+                        help="keep the k most likely tokens; 0 = off (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="keep the smallest set of tokens with this total probability; 1 = off (default: 1)")
     parser.add_argument("--min-p", type=float, default=0.0, metavar="P",
                         help="drop tokens less likely than this times the top one; 0 = off (default: 0)")
-    parser.add_argument("--seed", type=int, default=None, metavar="N",
+    parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                         help="random seed: the same seed gives the same tokens (default: none, fresh randomness)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="stop when the output contains this string, which is left out (repeatable)")
-    parser.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID", dest="stop_token_ids",
+    parser.add_argument("--stop-token-id", action="append", type=whole_number(0), default=None, metavar="ID",
+                        dest="stop_token_ids",
                         help="stop after this token id, which is kept (repeatable; default: the tokenizer's EOS)")
-    parser.add_argument("--n", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--n", type=count_arg, default=1, metavar="N",
                         help="samples per prompt; with a seed, sample k uses seed + k (default: 1)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                         help="subtract X from the logit of every token already in the output (default: 0)")

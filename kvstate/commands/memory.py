@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from kvstate.commands.arg_types import count_arg
+
 HELP_EPILOG = """\
 layers: A attention, L MLA, G Gated DeltaNet, K KDA, M Mamba-2, S Mamba-1, C short conv,
         - block without a mixer (MLP/MoE), H several mixers in one block; ratio = state : KV layers.
@@ -24,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="bundled name, config.json or checkpoint directory (default: all bundled models)")
     parser.add_argument("--context", default="8k,128k,256k",
                         help="context lengths in tokens, comma-separated (default: 8k,128k,256k; k = 1024)")
-    parser.add_argument("--batch", type=int, default=1, help="concurrent requests for the totals (default: 1)")
+    parser.add_argument("--batch", type=count_arg, default=1, help="concurrent requests for the totals (default: 1)")
     parser.add_argument("--kv-dtype", help="KV cache dtype (default: the model dtype)")
     parser.add_argument("--state-dtype", help="recurrent state dtype (default: mamba_ssm_dtype or float32)")
     parser.add_argument("--conv-dtype", help="conv window dtype (default: the model dtype)")
@@ -35,7 +37,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", metavar="SIZE",
                         help="GPU memory, e.g. 80GiB: requests that fit after the weights, longest context")
     parser.add_argument("--plot", metavar="FILE", help="write a log-log chart of cache vs context (.png or .svg)")
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
+    parser.add_argument("--tp", type=count_arg, default=1, metavar="N",
                         help="tensor parallelism over N devices: per-device weights, KV per token and state; "
                              "one line per model where a head count does not divide by N")
 
@@ -43,11 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     from kvstate.cache.spec import cache_spec
     from kvstate.config.reader import bundled_names, read_plan
-    from kvstate.errors import KvstateError
     from kvstate.memory import parse_contexts
 
-    if args.batch < 1:
-        raise KvstateError(f"--batch: must be a positive number of requests, got {args.batch}")
     contexts = parse_contexts(args.context)
     models = []
     for source in args.models or bundled_names():
@@ -57,8 +56,6 @@ def _load(args: argparse.Namespace):
 
             problems = tp_problems(plan, args.tp)
             if problems:  # one line: what does not divide
-                if args.tp < 1:
-                    raise KvstateError(problems[0])
                 print(f"{plan.name}: not sharded over --tp {args.tp}: {'; '.join(problems)}", file=sys.stderr)
                 continue
             plan = shard_plan(plan, args.tp)  # rank 0: the most vocabulary rows, so the largest device

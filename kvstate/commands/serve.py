@@ -14,7 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
-from kvstate.commands.engine_args import _positive_int, add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
+from kvstate.commands.arg_types import count_arg, seed_arg
+from kvstate.commands.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
 from kvstate.errors import KvstateError
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -41,16 +42,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in the API (default: the --model argument's last path part)")
     add_cache_args(parser)
     add_tp_arg(parser)
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=32, metavar="N",
+    parser.add_argument("--max-num-seqs", type=count_arg, default=32, metavar="N",
                         help="most requests running at once (and state slots) (default: 32)")
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, metavar="N",
+    parser.add_argument("--max-num-batched-tokens", type=count_arg, default=2048, metavar="N",
                         help="most tokens computed in one engine step (default: 2048)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="reuse KV blocks and state snapshots of earlier prompts and replies (hits in /metrics)")
-    parser.add_argument("--snapshot-interval", type=_positive_int, default=512, metavar="N",
+    parser.add_argument("--snapshot-interval", type=count_arg, default=512, metavar="N",
                         help="with prefix caching, also snapshot the state every N prompt tokens (default: 512)")
     add_spec_args(parser)
-    parser.add_argument("--seed", type=int, default=None, metavar="N",
+    parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],

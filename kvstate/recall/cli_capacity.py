@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from kvstate.commands.arg_types import count_arg, seed_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-dim", default="16", metavar="K,K,...",
@@ -24,8 +26,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the delta rule's write strengths, in (0, 1] (default: 1,0.5,0.25)")
     parser.add_argument("--decay", default="0.9", metavar="A,A,...",
                         help="gated linear attention's decays per write, in (0, 1]; '' for none (default: 0.9)")
-    parser.add_argument("--trials", type=int, default=256, help="random sets of pairs per setting (default: 256)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the keys and values (default: 0)")
+    parser.add_argument("--trials", type=count_arg, default=256, help="random sets of pairs per setting (default: 256)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the keys and values (default: 0)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="write the plot (.png or .svg)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -39,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     pairs = number_list("--pairs", args.pairs, int, 1, 4096)
     betas = number_list("--beta", args.beta, float, 1e-6, 1.0)
     decays = number_list("--decay", args.decay, float, 1e-6, 1.0) if args.decay.strip() else []
-    if not 1 <= args.trials <= 100_000:
+    if args.trials > 100_000:  # (counts below 1 are refused when parsed)
         raise KvstateError(f"--trials: from 1 to 100000, got {args.trials}")
     if args.plot:
         check_plot_path(args.plot)

@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from kvstate.commands.arg_types import count_arg, seed_arg
+
 DEFAULT_SIZES = "4,8,16,32,64"
 
 
@@ -23,9 +25,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "table and plot (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--entries", default=DEFAULT_SIZES, metavar="N,N,...",
                         help=f"book sizes (default: {DEFAULT_SIZES})")
-    parser.add_argument("--queries", type=int, default=32, metavar="N", help="books (one question each) per size (default: 32)")
-    parser.add_argument("--digits", type=int, default=4, metavar="N", help="digits per number (default: 4)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the books (default: 0)")
+    parser.add_argument("--queries", type=count_arg, default=32, metavar="N",
+                        help="books (one question each) per size (default: 32)")
+    parser.add_argument("--digits", type=count_arg, default=4, metavar="N", help="digits per number (default: 4)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the books (default: 0)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="write accuracy vs book size (.png or .svg)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (no progress bar)")
     from kvstate.commands.engine_args import add_weight_dtype
@@ -42,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.shipped import DEFAULT_MODEL
 
     sizes = number_list("--entries", args.entries, int, 1, 520)  # book sizes
-    if args.queries < 1 or not 1 <= args.digits <= 12:
-        raise KvstateError("--queries must be positive and --digits from 1 to 12")
+    if args.digits > 12:  # (counts below 1 are refused when parsed)
+        raise KvstateError(f"--digits: from 1 to 12, got {args.digits}")
     if args.plot:
         check_plot_path(args.plot)  # before the models run, not after
     names = args.model or [DEFAULT_MODEL]

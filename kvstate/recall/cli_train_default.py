@@ -16,20 +16,22 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kvstate.commands.arg_types import count_arg, seed_arg, whole_number
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="write <DIR>/<name>/ (default: the package's kvstate/data/models)")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=count_arg, default=None,
                         help="optimiser steps per model after the copy stage (default: the recipe's)")
-    parser.add_argument("--copy-steps", type=int, default=None,
+    parser.add_argument("--copy-steps", type=whole_number(0), default=None,
                         help="a copy stage of at most N steps of short passages, then at most N of long ones "
                              "(default: the recipe's, 3000 and 600; 0: no copy stage)")
     parser.add_argument("--only", choices=("hybrid", "linear"), default=None, help="train one of the two models")
     parser.add_argument("--layers", metavar="STRING", default=None,
                         help="train one model of this layer string instead (G: Gated DeltaNet, A: attention; "
                              "e.g. AAAA), with the same recipe, into <out>/phonebook-<STRING>; needs --out")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of weights and data (default: 0)")
     parser.add_argument("--json", action="store_true", help="print the accuracies as JSON (no progress bar)")
 
 
@@ -57,12 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     recipe = DefaultRecipe(seed=args.seed)
     if args.steps is not None:
-        if args.steps < 1:
-            raise KvstateError(f"--steps: must be positive, got {args.steps}")
         recipe = replace(recipe, train=replace(recipe.train, steps=args.steps))
     if args.copy_steps is not None:
-        if args.copy_steps < 0:
-            raise KvstateError(f"--copy-steps: must be 0 or more, got {args.copy_steps}")
         recipe = replace(recipe, train=replace(recipe.train, copy_first=args.copy_steps,
                                                copy_long=min(recipe.train.copy_long, args.copy_steps)))
     names = [n for n in LAYERS if args.only is None or n.endswith(args.only)]

@@ -124,7 +124,7 @@ def test_cli_capacity_json_and_plot(capsys, tmp_path):
     (["--key-dim", "a"], "--key-dim"),
     (["--beta", "1.5"], "--beta"),
     (["--beta", "0"], "--beta"),
-    (["--trials", "0"], "--trials"),
+    (["--trials", "100001"], "--trials"),
     (["--decay", "1.5"], "--decay"),
     (["--plot", "/no-such-dir/capacity.png"], "no such directory"),
     (["--plot", "capacity.pdf"], "must end in .png or .svg"),
