@@ -57,8 +57,9 @@ class TrainConfig:
     def check(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.train_examples < self.batch_size or self.eval_examples < 1:
             raise KvstateError("epochs >= 1, batch size >= 1, train examples >= batch size, eval examples >= 1")
-        if not 0 < self.lr < 1 or self.weight_decay < 0:
-            raise KvstateError(f"lr must be in (0, 1) and weight decay >= 0, got {self.lr}, {self.weight_decay}")
+        if not 0 < self.lr < 1 or not 0 <= self.weight_decay < float("inf"):  # (NaN fails both)
+            raise KvstateError(f"lr must be in (0, 1) and weight decay >= 0 and finite, got {self.lr}, "
+                               f"{self.weight_decay}")
         if self.fill not in FILLS:
             raise KvstateError(f"fill: one of {', '.join(FILLS)}, got {self.fill!r}")
 

@@ -200,6 +200,10 @@ def test_cli_sweep_over_learning_rates_plots_the_best(capsys, tmp_path):
     (["train", "--lr", "fast"], "--lr"),
     (["train", "--lr", "1e-3,3e-3"], "sweep"),
     (["train", "--lr", "2"], "lr must be"),
+    (["train", "--lr", "nan"], "lr must be"),
+    (["train", "--weight-decay", "nan"], "weight decay >= 0 and finite"),
+    (["train", "--weight-decay", "inf"], "weight decay >= 0 and finite"),
+    (["train", "--weight-decay", "-0.1"], "weight decay >= 0 and finite"),
     (["train", "--task", "needle"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
