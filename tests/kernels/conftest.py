@@ -25,3 +25,17 @@ def assert_close_to_truth(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: 
     err = (y.double() - truth).abs()
     worst = (err / (scale + 1e-30)).max().item() if err.numel() else 0.0
     assert worst <= rel, f"max error {worst:.3g} of the |terms| scale (allowed {rel})"
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def gdn_isa(request):
+    """Run the test with each form of the gated delta rule's per-head decode kernel this CPU has."""
+    module = extension()
+    before = module.gdn_head_isa()
+    try:
+        module.set_gdn_head_isa(request.param)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    assert module.gdn_head_isa() == request.param
+    yield request.param
+    module.set_gdn_head_isa(before)

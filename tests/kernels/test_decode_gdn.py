@@ -56,7 +56,7 @@ class Spy:
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("window", ["kernel", "kernel-1"])
 @pytest.mark.parametrize("heads", [(3, 6, 20, 13), (2, 4, 128, 100)])
-def test_fused_equals_torch(heads, window, wide, monkeypatch):
+def test_fused_equals_torch(heads, window, wide, monkeypatch, gdn_isa):
     ext = extension()
     m = layer(*heads)
     g = torch.Generator().manual_seed(1)

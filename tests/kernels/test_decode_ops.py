@@ -126,8 +126,8 @@ def test_conv_update(window, bias, activation, w_len):
 
 
 @pytest.mark.parametrize("l2,scale", [(True, None), (False, 0.3)])
-@pytest.mark.parametrize("heads", [(3, 6, 20, 13), (2, 2, 128, 128)])
-def test_gdn_recurrent(heads, l2, scale):
+@pytest.mark.parametrize("heads", [(3, 6, 20, 13), (2, 2, 128, 128), (1, 2, 9, 200)])  # 200: two column chunks
+def test_gdn_recurrent(heads, l2, scale, gdn_isa):
     extension()
     h, hv, dk, dv = heads
     g = torch.Generator().manual_seed(dk)

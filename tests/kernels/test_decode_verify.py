@@ -31,7 +31,7 @@ def clone(ns: SimpleNamespace) -> SimpleNamespace:
 
 @pytest.mark.parametrize("window", ["kernel", "kernel-1"])
 @pytest.mark.parametrize("heads", [(3, 6, 20, 13), (2, 4, 128, 100)])
-def test_gdn_verify_equals_torch(heads, window, monkeypatch):
+def test_gdn_verify_equals_torch(heads, window, monkeypatch, gdn_isa):
     ext = extension()
     m = layer(*heads)
     g = torch.Generator().manual_seed(4)

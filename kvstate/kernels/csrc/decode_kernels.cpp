@@ -193,8 +193,8 @@ inline void read_cols(const float* S, const float* q, const float* k, int64_t K,
   }
 }
 
-void gdn_head(const float* S, float* out, const float* q, const float* k, const float* v, float decay, float beta,
-              int64_t K, int64_t V, float* o, float* tmp, const float* next) {
+void gdn_head_avx2(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
+                   float beta, int64_t K, int64_t V, float* o, float* tmp, const float* next) {
   float* sk = tmp;      // [V]: S^T k, then u
   float* sq = tmp + V;  // [V]: S^T q
   // one read of S for both products (with the decayed state S' = decay S:

@@ -368,6 +368,9 @@ void register_decode_ops(pybind11::module_& m) {
   m.def("gdn_recurrent", &gdn_recurrent, "one gated-delta-rule token per sequence, the pool's states updated in place",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("pool"), py::arg("slots"),
         py::arg("scale"), py::arg("l2") = true);
+  m.def("gdn_head_isa", &kvstate::dec::gdn_head_isa, "the gated delta rule's per-head decode kernel: avx512 or avx2");
+  m.def("set_gdn_head_isa", &kvstate::dec::set_gdn_head_isa, "choose that kernel (avx512 only where the CPU has it)",
+        py::arg("isa"));
   m.def("gdn_decode", &gdn_decode, "Gated DeltaNet between its projections, one token per sequence",
         py::arg("qkv"), py::arg("z"), py::arg("a"), py::arg("b"), py::arg("conv_pool"), py::arg("conv_weight"),
         py::arg("state_pool"), py::arg("slots"), py::arg("A_log"), py::arg("dt_bias"), py::arg("norm_weight"),

@@ -1,11 +1,13 @@
 // The per-layer work of a decode step (one token per sequence) around the GEMVs: RMSNorms, GDN's
 // gates, the causal-conv1d window update and the gated delta rule's recurrent step, fp32 math on
-// raw rows. decode_kernels.cpp holds the math (AVX2+FMA code), decode_ops.cpp the Python binding
+// raw rows. decode_kernels.cpp holds the math (AVX2+FMA code; the per-head delta rule also in AVX-512,
+// decode_gdn.cpp), decode_ops.cpp the Python binding
 // (checks, threads); `register_decode_ops` adds them to the extension module of gemv.cpp, and
 // `register_decode_attention` the full-attention step of decode_attention.cpp.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace pybind11 {
 class module_;
@@ -35,8 +37,16 @@ void l2norm_scale(float* x, int64_t n, float scale);
 // k l2-normed: S' = decay S; u = beta (v - S'^T k); out <- S' + k u^T; o = out^T q. `out` may be
 // S (in place) or another [K, V] (S is then left as it was). tmp: 2 * V floats of scratch; next:
 // the state [K, V] to prefetch meanwhile, or nullptr.
+// Runs gdn_head_avx512 or gdn_head_avx2 (decode_gdn.cpp): AVX-512 where the CPU has it, unless
+// set_gdn_head_isa("avx2") chose the other (tests run both).
 void gdn_head(const float* S, float* out, const float* q, const float* k, const float* v, float decay, float beta,
               int64_t K, int64_t V, float* o, float* tmp, const float* next);
+void gdn_head_avx2(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
+                   float beta, int64_t K, int64_t V, float* o, float* tmp, const float* next);
+void gdn_head_avx512(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
+                     float beta, int64_t K, int64_t V, float* o, const float* next);
+std::string gdn_head_isa();
+void set_gdn_head_isa(const std::string& isa);
 
 }  // namespace kvstate::dec
 
