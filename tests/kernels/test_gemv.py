@@ -167,3 +167,19 @@ def test_amx_32_rows_through_dispatch_is_one_call():
             y = kernels.linear(x, w)
         assert ext.last_amx_passes() == passes
         assert_close_to_truth(y, x, w, None)
+
+
+@pytest.mark.parametrize("m0,m1", [(16, 8), (16, 0), (3, 0), (9, 0), (16, 16)])
+def test_amx_tile_configuration_is_what_it_asks_for(m0, m1):
+    """The configuration the AMX path loads, read back from the CPU: A tiles 2, 3 of 16 x 64 bytes, C
+    0, 1 and B 4 of m0 columns, the rest of m1 (or of m0 when m1 is 0, tile 7 unused). With GCC 12's
+    _tile_loadconfig (declared to read 8 of its 64 bytes) the rows and widths could be dropped as dead
+    stores: every tile came back unconfigured, and the tile instructions after it raised SIGILL."""
+    ext = extension()
+    if "amx" not in ext.isas():
+        pytest.skip("this CPU has no usable AMX")
+    got = ext.amx_configured_tiles(m0, m1)
+    rows, widths = got[:8], got[8:]
+    second = m1 if m1 else m0
+    assert rows == [16] * 7 + [16 if m1 else 0]
+    assert widths == [4 * m0, 4 * m0, 64, 64, 4 * m0, 4 * second, 4 * second, 4 * m1]

@@ -136,6 +136,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the register tile (W rows x x rows) the last AVX call ran, e.g. '3x4'");
   m.def("last_amx_passes", [] { return last_amx_passes.load(); },
         "x-row chunks (passes over each W block) of the last AMX call: 1 up to 32 rows");
+  m.def("amx_configured_tiles", [](int64_t m0, int64_t m1) {
+    TORCH_CHECK(has_amx(), "kvstate gemv: this CPU has no usable AMX");
+    return kvstate::amx::configured_tiles(m0, m1);
+  }, "the AMX tile configuration of m0 + m1 B columns, read back: rows of tiles 0..7, then their bytes per row",
+        pybind11::arg("m0"), pybind11::arg("m1"));
   m.def("isas", &isas, "ISAs this CPU can run, best first");
   kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
 }

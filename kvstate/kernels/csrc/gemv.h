@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace kvstate {
 
@@ -55,6 +56,7 @@ namespace amx {
 bool usable();  // the CPU has AMX-BF16 and the OS granted the tile state
 void prepare_x(const float* x, int64_t M, int64_t K, uint16_t* xb);
 void rows(const AmxArgs& a, int64_t n0, int64_t n1);
+std::vector<int> configured_tiles(int64_t m0, int64_t m1);
 }  // namespace amx
 
 }  // namespace kvstate

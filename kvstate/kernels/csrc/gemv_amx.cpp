@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gemv.h"
 
@@ -60,6 +61,13 @@ bool usable() {
 #include "gemv_amx_transpose.h"
 
 namespace {
+// Not _tile_loadconfig / _tile_storeconfig: GCC 12's amxtileintrin.h declares them to read or write
+// 8 bytes of the 64 ("m" (*(const void **)config)), so the compiler may drop the stores of rows and
+// colsb as dead. It did, where configure() was inlined into a short caller: every tile unconfigured,
+// and the next tile instruction raised SIGILL. These name the whole struct.
+inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg)); }
+inline void store_config(TileConfig& cfg) { __asm__ volatile("sttilecfg %0" : "=m"(cfg)); }
+
 // Tiles: A (W) 2, 3: 16 W rows x 32 k. m0, m1: the columns of the first and second block of B
 // (x rows, or packed (part, row) pairs; see block()). One block: B 4 (packed) or 4, 5, 6 (the
 // three parts), C 0, 1. Two blocks: B 4, 5 (packed, or one part of each block, loaded again for
@@ -74,9 +82,25 @@ void configure(int64_t m0, int64_t m1) {
   } else {
     for (int t : {5, 6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = c1;
   }
-  _tile_loadconfig(&cfg);
+  load_config(cfg);
 }
 
+}  // namespace
+
+// The tile configuration configure(m0, m1) leaves, read back: [rows of tiles 0..7, bytes per row of
+// tiles 0..7] (tests; the tiles are released after).
+std::vector<int> configured_tiles(int64_t m0, int64_t m1) {
+  configure(m0, m1);
+  TileConfig back;
+  store_config(back);
+  _tile_release();
+  std::vector<int> out;
+  for (int t = 0; t < 8; ++t) out.push_back(back.rows[t]);
+  for (int t = 0; t < 8; ++t) out.push_back(back.colsb[t]);
+  return out;
+}
+
+namespace {
 constexpr int kAhead = 4;             // steps of 32 k the ring is filled ahead of the tile loads
 constexpr int kRing = kAhead + 1;      // ring slots: [32 W rows][32 k] bf16, 2 KiB each
 using Ring = uint16_t[kRing][32 * 32];
