@@ -27,6 +27,7 @@ import time
 
 from kvstate.commands.arg_types import count_arg, decode_tokens_arg, whole_number
 from kvstate.commands.engine_args import add_weight_dtype
+from kvstate.commands.number_list import number_list
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvstate.bench.timing import measure_read_bandwidth, start
-
-    from kvstate.commands.number_list import number_list
 
     _check_llama_args(args)
     batches = number_list("--batches", args.batches, low=1)

@@ -28,7 +28,6 @@ from kvstate.kernels.quant import quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
 
-
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "decode_ops.h"
@@ -23,19 +24,19 @@
 namespace kvstate::dec {
 
 namespace {
-std::atomic<bool> use_avx512{[] {
+bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") != 0;
-}()};
+}
+
+std::atomic<bool> use_avx512{cpu_has_avx512()};
 }  // namespace
 
 std::string gdn_head_isa() { return use_avx512 ? "avx512" : "avx2"; }
 
 void set_gdn_head_isa(const std::string& isa) {
-  __builtin_cpu_init();
   if (isa != "avx512" && isa != "avx2") throw std::invalid_argument("kvstate decode: isa avx512 or avx2, got " + isa);
-  if (isa == "avx512" && !__builtin_cpu_supports("avx512f"))
-    throw std::invalid_argument("kvstate decode: this CPU has no AVX-512");
+  if (isa == "avx512" && !cpu_has_avx512()) throw std::invalid_argument("kvstate decode: this CPU has no AVX-512");
   use_avx512 = isa == "avx512";
 }
 
@@ -71,7 +72,7 @@ void chunk(const float* S, float* out, const float* q, const float* k, const flo
   }
   const __m512 d = _mm512_set1_ps(decay), bt = _mm512_set1_ps(beta), kqv = _mm512_set1_ps(kq);
   __m512 u[NV];
-  for (int b = 0; b < NV; ++b) {  // ak -> u in place: u = beta (v - decay S^T k)
+  for (int b = 0; b < NV; ++b) {  // u = beta (v - decay S^T k), o = decay S^T q + (k . q) u
     u[b] = _mm512_mul_ps(bt, _mm512_fnmadd_ps(d, ak[b], _mm512_maskz_loadu_ps(mask(b), v + j + 16 * b)));
     _mm512_mask_storeu_ps(o + j + 16 * b, mask(b), _mm512_fmadd_ps(kqv, u[b], _mm512_mul_ps(d, aq[b])));
   }
@@ -86,7 +87,6 @@ void chunk(const float* S, float* out, const float* q, const float* k, const flo
     }
   }
 }
-}  // namespace
 
 void gdn_head_avx512(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
                      float beta, int64_t K, int64_t V, float* o, const float* next) {
@@ -111,6 +111,7 @@ void gdn_head_avx512(const float* S, float* out, const float* q, const float* k,
     }
   }
 }
+}  // namespace
 
 #pragma GCC pop_options
 

@@ -37,14 +37,12 @@ void l2norm_scale(float* x, int64_t n, float scale);
 // k l2-normed: S' = decay S; u = beta (v - S'^T k); out <- S' + k u^T; o = out^T q. `out` may be
 // S (in place) or another [K, V] (S is then left as it was). tmp: 2 * V floats of scratch; next:
 // the state [K, V] to prefetch meanwhile, or nullptr.
-// Runs gdn_head_avx512 or gdn_head_avx2 (decode_gdn.cpp): AVX-512 where the CPU has it, unless
+// Runs decode_gdn.cpp's AVX-512 form or gdn_head_avx2 (decode_kernels.cpp): AVX-512 where the CPU has it, unless
 // set_gdn_head_isa("avx2") chose the other (tests run both).
 void gdn_head(const float* S, float* out, const float* q, const float* k, const float* v, float decay, float beta,
               int64_t K, int64_t V, float* o, float* tmp, const float* next);
 void gdn_head_avx2(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
                    float beta, int64_t K, int64_t V, float* o, float* tmp, const float* next);
-void gdn_head_avx512(const float* S, float* out, const float* q, const float* k, const float* v, float decay,
-                     float beta, int64_t K, int64_t V, float* o, const float* next);
 std::string gdn_head_isa();
 void set_gdn_head_isa(const std::string& isa);
 
