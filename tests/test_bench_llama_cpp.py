@@ -140,9 +140,38 @@ def test_bench_engine_llama_arguments_are_checked_first(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:  # a count >= 1 (argparse's one line) ...
         main(["bench", "engine", "--quick", "--rounds", "0"])
     assert exit_.value.code == 2
-    assert main(["bench", "engine", "--quick", "--rounds", "3"]) == 2  # ... above 1 only against llama.cpp
+    # ... above 1 only with two batch sizes to alternate (or llama.cpp)
+    assert main(["bench", "engine", "--quick", "--batches", "2,2", "--rounds", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--rounds" in err and err.count("\n") == 2
+    assert "--rounds 3: alternates two --batches" in err and err.count("\n") == 2
+
+
+def test_bench_engine_alternates_rounds_of_two_batch_sizes(capsys):
+    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "2,1", "--prompt-len", "6",
+                 "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--rounds", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sr = out["decode_step_rounds"]
+    assert sr["batches"] == [1, 2] and all(len(sr["ms"][b]) == 3 for b in ("1", "2"))
+    assert sr["ratios"] == pytest.approx([h / lo for lo, h in zip(sr["ms"]["1"], sr["ms"]["2"])])
+    assert sr["median"] == pytest.approx(sorted(sr["ratios"])[1])
+    console = Console(file=io.StringIO(), width=200)
+    show(console, out)
+    assert "decode step, batch 2 / batch 1, 3 alternating rounds: median" in console.file.getvalue()
+
+
+def test_rounds_alternate_the_two_batch_sizes():
+    from kvstate.bench.timing import alternate_steps
+
+    calls = []
+
+    def step_s(b):
+        calls.append(b)
+        return {1: 0.010, 8: 0.013}[b] * (1 + 0.1 * ((len(calls) - 1) // 2))  # slower each round
+
+    sr = alternate_steps(step_s, 1, 8, 3)
+    assert calls == [1, 8, 1, 8, 1, 8]
+    assert sr["ratios"] == pytest.approx([1.3] * 3) and sr["median"] == pytest.approx(1.3)
+    assert sr["ms"]["1"] == pytest.approx([10.0, 11.0, 12.0])
 
 
 def test_a_profiled_step_that_is_not_one_token_of_each_sequence_is_refused():

@@ -14,7 +14,9 @@ same threads). `--profile 1,8` adds where a decode step's time goes at those bat
 the blocks compiled (as decode runs) and op by op (which splits their time into kernels)
 (`kvstate.bench.step_profile`), and `--llama-bench BIN --gguf FILE [--gguf FILE2]` runs llama.cpp's
 llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
-prefill and decode beside ours, with ratios (`--llama-prompt 0`: its decode only). With
+prefill and decode beside ours, with ratios (`--llama-prompt 0`: its decode only). `--rounds N`
+alternates N decode runs at the smallest and the largest batch (and N batch-1 runs of kvstate and
+llama.cpp) and prints the median ratios: one-shot ratios on a noisy machine wander by 5%. With
 `--weight-dtype int8` it also measures the logits' error against the same checkpoint in fp32
 (`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
 """
@@ -51,8 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-prompt", type=whole_number(0), default=None, metavar="N",
                         help="llama-bench's prefill tokens, -p (default: --prefill-len; 0: decode only)")
     parser.add_argument("--rounds", type=count_arg, default=1,
-                        help="with --llama-bench: also alternate N batch-1 decode runs of kvstate and "
-                             "llama.cpp and print the median ratio (a noisy machine's minutes differ)")
+                        help="also alternate N decode runs at the smallest and the largest --batches (and, "
+                             "with --llama-bench, N batch-1 runs of kvstate and llama.cpp) and print the "
+                             "median ratios (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
 
 
@@ -64,8 +67,6 @@ def _check_llama_args(args) -> None:
 
     if bool(args.llama_bench) != bool(args.gguf):
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
-    if args.rounds > 1 and not args.llama_bench:  # (counts below 1 are refused when parsed)
-        raise KvstateError(f"--rounds {args.rounds}: above 1 only with --llama-bench")
     for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
         if path and not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
@@ -133,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
 
     _check_llama_args(args)
     batches = number_list("--batches", args.batches, low=1)
+    if args.rounds > 1 and len(set(batches)) < 2 and not args.llama_bench:  # (counts < 1 refused when parsed)
+        from kvstate.errors import KvstateError
+
+        raise KvstateError(f"--rounds {args.rounds}: alternates two --batches (or kvstate and --llama-bench); "
+                           f"--batches {args.batches} names one")
     profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
     console, limits = start(args)
     with console.status("measuring the read bandwidth (sum of 1 GiB)"):
@@ -262,6 +268,19 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
             with console.status(f"{args.rounds} alternating rounds: kvstate, llama-bench"):
                 rounds = interleaved(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
                                      gen=args.llama_gen, decode_b1=decode_b1, rounds=args.rounds)
+    step_rounds = {}
+    if args.rounds > 1 and len(set(batches)) > 1:
+        low, high = min(batches), max(batches)
+        prompts = {b: torch.randint(0, vocab, (b, plen), generator=g).tolist() for b in (low, high)}
+
+        def step_s(b: int) -> float:
+            tn, first = ours(prompts[b], new)
+            return (tn - first) / (new - 1)
+
+        from kvstate.bench.timing import alternate_steps
+
+        with console.status(f"{args.rounds} alternating rounds: decode batch {low}, batch {high}"):
+            step_rounds = alternate_steps(step_s, low, high, args.rounds)
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
@@ -275,7 +294,8 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,
                                read_bandwidth_gbps=read_bw / 1e9, threads=torch.get_num_threads(),
                                huge_page_bytes=hugepages.huge_bytes(), huge_pages_off=hugepages.unavailable_reason()),
-                  rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling,
+                  rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling, decode_step_rounds=step_rounds,
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
                   vs_llama_cpp_rounds=rounds, int8_logit_error=None)
     return result
+

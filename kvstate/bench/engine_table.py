@@ -45,6 +45,11 @@ def show(console, result: dict) -> None:
     if result["decode_scaling"]:
         console.print(f"kvstate decode throughput, batch {batches[-1]} / batch {batches[0]}: "
                       f"{result['decode_scaling']:.1f}x")
+    sr = result.get("decode_step_rounds")
+    if sr:
+        low, high = sr["batches"]
+        console.print(f"kvstate decode step, batch {high} / batch {low}, {len(sr['ratios'])} alternating rounds: "
+                      f"median {sr['median']:.3f}x ({', '.join(f'{r:.3f}' for r in sr['ratios'])})")
     if result["llama_cpp"]:
         r = result["llama_cpp"][0]
         console.print(f"llama.cpp: llama-bench -t {r['threads']} -p {result['prefill_tokens']} "

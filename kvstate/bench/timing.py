@@ -95,3 +95,16 @@ def start(args):
     with console.status("measuring the machine's GEMM rate and memory bandwidth"):
         limits = measure_machine(size=1024 if quick else 2048, copy_mib=64 if quick else 256)
     return console, limits
+
+
+def alternate_steps(step_s, low: int, high: int, rounds: int) -> dict:
+    """`rounds` alternating decode measurements at batch `low` then `high` (`step_s(b)` -> seconds a step),
+    so that both see the same minutes of a noisy machine -> {"batches": [low, high], "ms": {b: per round},
+    "ratios": high's step / low's per round, "median"}."""
+    ms: dict[int, list[float]] = {low: [], high: []}
+    for _ in range(rounds):
+        for b in (low, high):
+            ms[b].append(1e3 * step_s(b))
+    ratios = [h / lo for lo, h in zip(ms[low], ms[high])]
+    return dict(batches=[low, high], ms={str(b): v for b, v in ms.items()}, ratios=ratios,
+                median=statistics.median(ratios))
