@@ -49,6 +49,22 @@ def test_bench_engine_measures_a_given_checkpoint(capsys, tmp_path):
     assert set(out["speedup_vs_transformers"]) == {"decode b=1", "prefill b=1"}
 
 
+def test_bench_engine_without_a_reference_never_imports_transformers(tmp_path):
+    # a fresh process: transformers is the test reference, not a run-time dependency (its import
+    # alone costs ~0.6 s); a given checkpoint and --no-reference need none of it
+    from kvstate.bench.checkpoints import qwen3_5_checkpoint
+
+    path, _ = qwen3_5_checkpoint("quick", str(tmp_path))
+    args = ["bench", "engine", "--model", str(path), "--no-reference", "--batches", "1", "--prompt-len", "6",
+            "--new-tokens", "3", "--prefill-len", "12", "--json", "--threads", "1"]
+    code = ("import sys; from kvstate.cli import main; rc = main(" + repr(args) + "); "
+            "assert rc == 0 and 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["rows"][0]["impl"] == "kvstate"
+
+
 def test_bench_engine_model_errors_are_one_line(capsys, tmp_path):
     assert main(["bench", "engine", "--model", str(tmp_path / "missing"), "--json"]) == 2
     err = capsys.readouterr().err

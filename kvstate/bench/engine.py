@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvstateError(f"--rounds {args.rounds}: alternates two --batches (or kvstate and --llama-bench); "
                            f"--batches {args.batches} names one")
     profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
-    console, limits = start(args)
+    console, limits = start(args, reference=not (args.no_reference and args.model))  # the random checkpoint uses it
     with console.status("measuring the read bandwidth (sum of 1 GiB)"):
         read_bw = measure_read_bandwidth(0.125 if args.quick else 1.0)
     plen = args.prompt_len or (32 if args.quick else 128)

@@ -80,16 +80,19 @@ def silence_expected_warnings() -> None:
                 target.addFilter(expected)
 
 
-def start(args):
+def start(args, *, reference: bool = True):
     """The common start of a benchmark run: torch threads (--threads), a rich console (on stderr
-    under --json, so stdout stays machine-readable) and this machine's measured limits."""
+    under --json, so stdout stays machine-readable) and this machine's measured limits. `reference`:
+    the run will use transformers (whose expected warnings are then silenced; importing it costs
+    ~0.6 s, so a run without it does not)."""
     import torch
 
     from kvstate.commands.console import make_console
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    silence_expected_warnings()
+    if reference:
+        silence_expected_warnings()
     quick = getattr(args, "quick", False)
     console = make_console(stderr=args.json)
     with console.status("measuring the machine's GEMM rate and memory bandwidth"):
