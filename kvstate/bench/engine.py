@@ -59,14 +59,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_weight_dtype(parser)
 
 
-def _check_llama_args(args) -> None:
-    """--llama-bench and --gguf come together and name files: one clear line before any work."""
+def _check_args(args, batches: list[int]) -> None:
+    """--llama-bench and --gguf come together and name files, and --rounds has two sides to alternate:
+    one clear line before any work (counts below 1 are refused when parsed)."""
     from pathlib import Path
 
     from kvstate.errors import KvstateError
 
     if bool(args.llama_bench) != bool(args.gguf):
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
+    if args.rounds > 1 and len(set(batches)) < 2 and not args.llama_bench:
+        raise KvstateError(f"--rounds {args.rounds}: alternates two --batches (or kvstate and --llama-bench); "
+                           f"--batches {args.batches} names one")
     for path, what in [(args.llama_bench, "--llama-bench")] + [(g, "--gguf") for g in args.gguf]:
         if path and not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
@@ -132,13 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstate.bench.timing import measure_read_bandwidth, start
 
-    _check_llama_args(args)
     batches = number_list("--batches", args.batches, low=1)
-    if args.rounds > 1 and len(set(batches)) < 2 and not args.llama_bench:  # (counts < 1 refused when parsed)
-        from kvstate.errors import KvstateError
-
-        raise KvstateError(f"--rounds {args.rounds}: alternates two --batches (or kvstate and --llama-bench); "
-                           f"--batches {args.batches} names one")
+    _check_args(args, batches)
     profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
     console, limits = start(args, reference=not (args.no_reference and args.model))  # the random checkpoint uses it
     with console.status("measuring the read bandwidth (sum of 1 GiB)"):
@@ -201,6 +200,12 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
         finally:
             del core.step
 
+    def our_step_s(prompts) -> float:
+        """Seconds a decode step of ours: generate()'s time less its first step, over the other new - 1
+        (always > 0: they are whole engine steps)."""
+        tn, first = ours(prompts, new)
+        return (tn - first) / (new - 1)
+
     def theirs(prompts, n):
         """(seconds of generating n tokens, None: generate() cannot be stepped)"""
         ids = torch.tensor(prompts)
@@ -262,8 +267,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
             from kvstate.bench.llama_cpp import interleaved
 
             def decode_b1() -> float:
-                tn, first = ours(torch.randint(0, vocab, (1, plen), generator=g).tolist(), new)
-                return (new - 1) / (tn - first) if tn > first else 0.0
+                return 1 / our_step_s(torch.randint(0, vocab, (1, plen), generator=g).tolist())
 
             with console.status(f"{args.rounds} alternating rounds: kvstate, llama-bench"):
                 rounds = interleaved(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
@@ -272,15 +276,10 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
     if args.rounds > 1 and len(set(batches)) > 1:
         low, high = min(batches), max(batches)
         prompts = {b: torch.randint(0, vocab, (b, plen), generator=g).tolist() for b in (low, high)}
-
-        def step_s(b: int) -> float:
-            tn, first = ours(prompts[b], new)
-            return (tn - first) / (new - 1)
-
         from kvstate.bench.timing import alternate_steps
 
         with console.status(f"{args.rounds} alternating rounds: decode batch {low}, batch {high}"):
-            step_rounds = alternate_steps(step_s, low, high, args.rounds)
+            step_rounds = alternate_steps(lambda b: our_step_s(prompts[b]), low, high, args.rounds)
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
@@ -298,4 +297,3 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
                   vs_llama_cpp_rounds=rounds, int8_logit_error=None)
     return result
-
