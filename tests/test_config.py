@@ -266,6 +266,8 @@ def test_bad_files(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(KvstateError, match="bin.json: cannot read"):
         load_config(binary)
+    with pytest.raises(KvstateError, match="not a UTF-8 text file .expected a config.json or a checkpoint directory"):
+        load_config(binary)
 
 
 def test_control_plane_imports_no_torch():

@@ -76,8 +76,11 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
 def _parse(path: Path, label: str) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KvstateError(f"{label}: cannot read: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+    except OSError as exc:
+        raise KvstateError(f"{label}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError:  # e.g. model.safetensors given where its directory was meant
+        raise KvstateError(f"{label}: cannot read: not a UTF-8 text file (expected a config.json or a checkpoint "
+                           "directory)") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
