@@ -19,7 +19,7 @@ __all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutp
            "model_path"]
 
 # name -> module, imported on first use (LLM and EngineCore load torch when built)
-_LAZY = {"LLM": "kvstate.engine.llm", "EngineCore": "kvstate.engine.core", "SamplingParams": "kvstate.engine.params",
+_LAZY = {"LLM": "kvstate.llm", "EngineCore": "kvstate.engine.core", "SamplingParams": "kvstate.engine.params",
          "RequestOutput": "kvstate.engine.outputs", "CompletionOutput": "kvstate.engine.outputs"}
 
 

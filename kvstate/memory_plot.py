@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstate.cache.spec import CacheSpec
-from kvstate.commands.plot_path import FORMATS, check_plot_path
+from kvstate.terminal.plot_path import FORMATS, check_plot_path
 from kvstate.config.dtypes import dtype_bytes
 from kvstate.config.plan import KV_KINDS, AttentionSpec, MLASpec, ModelPlan
 from kvstate.errors import KvstateError

@@ -24,10 +24,9 @@ from kvstate.config import (
     Mamba2Spec,
     MLASpec,
     load_config,
-    read_plan,
 )
 from kvstate.errors import KvstateError
-from kvstate.families import supported_model_types
+from kvstate.families import read_plan, supported_model_types
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,7 +272,7 @@ def test_bad_files(tmp_path):
 def test_control_plane_imports_no_torch():
     code = (
         "import sys\n"
-        "from kvstate.config import read_plan, BUNDLED\n"
+        "from kvstate.config import BUNDLED\nfrom kvstate.families import read_plan\n"
         "from kvstate.cache import cache_spec\n"
         "import kvstate.memory\n"
         "for n in BUNDLED: cache_spec(read_plan(n))\n"

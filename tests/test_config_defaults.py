@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvstate.cache.spec import cache_spec
-from kvstate.config import BUNDLED, load_config, read_plan
+from kvstate.config import BUNDLED, load_config
+from kvstate.families import read_plan
 from kvstate.config.defaults import TABLE, generate
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
@@ -151,4 +152,4 @@ def test_memory_figures_do_not_depend_on_ffn_fields(name, tmp_path):
 
 def test_the_table_is_transformers_own():
     stored = json.loads((ROOT / "kvstate" / "data" / TABLE).read_text())
-    assert stored == generate(supported_model_types()), "run: python -m kvstate.config.defaults"
+    assert stored == generate(supported_model_types()), "run: python -m kvstate.families.defaults_table"

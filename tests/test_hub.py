@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants, scan_cache_dir
 
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.errors import KvstateError
 from kvstate.hub import looks_like_repo_id, resolve_checkpoint, resolve_config
 from tests.hub_cache import COMMIT, populate

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvstate.cache import cache_spec
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.errors import KvstateError
 from kvstate.memory import (
     GIB,

@@ -11,7 +11,8 @@ import pytest
 
 from kvstate.cache import cache_spec
 from kvstate.cli import main
-from kvstate.config import BUNDLED, bundled_names, read_plan
+from kvstate.config import BUNDLED, bundled_names
+from kvstate.families import read_plan
 from kvstate.memory import GIB, fit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.config.fields import ConfigView
 from kvstate.config.params import estimate_params
 from kvstate.config.plan import (

@@ -27,9 +27,9 @@ import argparse
 import json
 import time
 
-from kvstate.commands.arg_types import count_arg, decode_tokens_arg, whole_number
-from kvstate.commands.engine_args import add_weight_dtype
-from kvstate.commands.number_list import number_list
+from kvstate.terminal.arg_types import count_arg, decode_tokens_arg, whole_number
+from kvstate.terminal.engine_args import add_weight_dtype
+from kvstate.terminal.number_list import number_list
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +93,7 @@ def weight_bytes(model) -> int:
 
 def _sides(args, tmp: str, llm_args: dict):
     """(kvstate LLM, transformers model or None, label, checkpoint path) of --model or of a random checkpoint."""
-    from kvstate.engine.llm import LLM
+    from kvstate.llm import LLM
 
     if args.model is None:
         from kvstate.bench.checkpoints import qwen3_5_checkpoint
@@ -101,7 +101,7 @@ def _sides(args, tmp: str, llm_args: dict):
         size = "quick" if args.quick else "0.5b"
         path, hf = qwen3_5_checkpoint(size, tmp)
         return LLM(path, **llm_args), (None if args.no_reference else hf), f"random Qwen3.5-style {size}", path
-    from kvstate.config import read_plan
+    from kvstate.families import read_plan
     from kvstate.errors import KvstateError
     from kvstate.hub import resolve_checkpoint
 
@@ -176,7 +176,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
 
     vocab = llm.plan.vocab_size
     g = torch.Generator().manual_seed(0)
-    spec = llm.runner.spec
+    spec = llm.runner.cache_spec
     wbytes = weight_bytes(llm.model)
 
     def ours(prompts, n):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvstate.commands.arg_types import count_arg
-from kvstate.commands.engine_args import add_weight_dtype
+from kvstate.terminal.arg_types import count_arg
+from kvstate.terminal.engine_args import add_weight_dtype
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ import json
 import random
 import time
 
-from kvstate.commands.arg_types import seed_arg
+from kvstate.terminal.arg_types import seed_arg
 
 POLICIES = {"off": {}, "aligned": {"enable_prefix_caching": True, "prefix_align": 1024, "snapshot_interval": 1024},
             "kvstate": {"enable_prefix_caching": True, "snapshot_interval": 512}}
@@ -52,8 +52,8 @@ def make_engine(path, policy: str, shape: dict):
     """The engine of one policy: room for every conversation's KV and three snapshots per conversation
     (eviction is not what is measured)."""
     from kvstate.cache.spec import cache_spec
-    from kvstate.config import read_plan
-    from kvstate.engine.llm import LLM
+    from kvstate.families import read_plan
+    from kvstate.llm import LLM
     from kvstate.engine.params import SamplingParams
 
     options = dict(POLICIES[policy])

@@ -23,7 +23,7 @@ import argparse
 import json
 import time
 
-from kvstate.commands.arg_types import count_arg, decode_tokens_arg
+from kvstate.terminal.arg_types import count_arg, decode_tokens_arg
 
 DRAFT_DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
@@ -93,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
     from kvstate.bench.timing import silence_expected_warnings
-    from kvstate.commands.console import make_console
-    from kvstate.engine.llm import LLM
+    from kvstate.terminal.console import make_console
+    from kvstate.llm import LLM
     from kvstate.engine.params import SamplingParams
-    from kvstate.engine.spec.config import SpeculativeConfig
-    from kvstate.engine.spec.draft_model import DraftModelDrafter
-    from kvstate.engine.spec.ngram import NgramDrafter
-    from kvstate.engine.spec.proposer import Proposer
+    from kvstate.engine.speculative.config import SpeculativeConfig
+    from kvstate.engine.speculative.draft_model import DraftModelDrafter
+    from kvstate.engine.speculative.ngram import NgramDrafter
+    from kvstate.engine.speculative.proposer import Proposer
     from kvstate.models.loader import load_model
 
     if args.threads:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.repeats):
             times = []
             for n in (1, new):
-                core.spec = prop = make()
+                core.proposer = prop = make()
                 t0 = time.perf_counter()
                 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
                 times.append(time.perf_counter() - t0)
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(dict(method=method, prompt=which, k=k, acceptance=st["spec_acceptance_rate"],
                              tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,
                              plain_tokens_per_s=base_tps, speedup=tps / base_tps, exact=tokens == base_tokens))
-    core.spec = None
+    core.proposer = None
     name = f"random Qwen3.5-style {size}" if args.model is None else str(args.model)
     result = dict(model=f"{name} ({llm.plan.params.total / 1e9:.3g}B, {llm.plan.layer_string})",
                   prompt_tokens=plen, new_tokens=new, threads=torch.get_num_threads(),

@@ -87,7 +87,7 @@ def start(args, *, reference: bool = True):
     ~0.6 s, so a run without it does not)."""
     import torch
 
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from kvstate.commands.arg_types import count_arg, decode_tokens_arg, whole_number
+from kvstate.terminal.arg_types import count_arg, decode_tokens_arg, whole_number
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
-    from kvstate.engine.llm import LLM
+    from kvstate.llm import LLM
     from kvstate.errors import KvstateError
 
     if args.tp < 2:
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 def _print(r: dict, tp: int) -> None:
     from rich.table import Table
 
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
 
     p = r[f"tp{tp}"]
     table = Table(title=f"{r['model']}: TP 1 ({r['threads_tp1']} threads) vs TP {tp} ({tp} processes x 1 thread)",

@@ -72,6 +72,13 @@ class CacheEntry:
     def state_bytes(self) -> int:
         return self.recurrent_bytes + self.conv_bytes
 
+    def to_json(self) -> dict:
+        """This entry as `kvstate memory --json --layers` and the explorer write it."""
+        def t(spec: TensorSpec | None) -> dict | None:
+            return None if spec is None else {"shape": list(spec.shape), "dtype": spec.dtype, "bytes": spec.nbytes}
+        return {"layer": self.layer, "kind": self.kind, "kv_per_token": t(self.kv), "recurrent": t(self.recurrent),
+                "conv": t(self.conv)}
+
     def pool_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
         """The shape of one pool entry per key: "k"/"v" [block_size, Hkv, D] or "latent" [block_size, R]
         per KV block; "state" (recurrent) and "conv" [conv_dim, window] per state slot."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from kvstate.commands.arg_types import count_arg
+from kvstate.terminal.arg_types import count_arg
 
 # what -> (module in kvstate.bench, help). Each module has configure(parser) and run(args).
 BENCHES: dict[str, tuple[str, str]] = {

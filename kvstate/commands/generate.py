@@ -15,8 +15,8 @@ import sys
 import time
 from collections import Counter
 
-from kvstate.commands.arg_types import count_arg, seed_arg, whole_number
-from kvstate.commands.engine_args import (  # noqa: F401 (speculative_config is used by run)
+from kvstate.terminal.arg_types import count_arg, seed_arg, whole_number
+from kvstate.terminal.engine_args import (  # noqa: F401 (speculative_config is used by run)
     add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
 from kvstate.errors import KvstateError
 
@@ -85,9 +85,9 @@ def read_prompts(prompts: list[str], stdin=None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstate.commands.console import make_console
-    from kvstate.commands.progress import load_progress
-    from kvstate.engine.llm import LLM
+    from kvstate.terminal.console import make_console
+    from kvstate.terminal.progress import load_progress
+    from kvstate.llm import LLM
     from kvstate.engine.params import SamplingParams
     from kvstate.hub import resolve_checkpoint
 

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from kvstate.commands.arg_types import count_arg
+from kvstate.terminal.arg_types import count_arg
 
 HELP_EPILOG = """\
 layers: A attention, L MLA, G Gated DeltaNet, K KDA, M Mamba-2, S Mamba-1, C short conv,
@@ -44,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace):
     from kvstate.cache.spec import cache_spec
-    from kvstate.config.reader import bundled_names, read_plan
+    from kvstate.config.reader import bundled_names
+    from kvstate.families import read_plan
     from kvstate.memory import parse_contexts
 
     contexts = parse_contexts(args.context)
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             if f:
                 obj["gpu"] = f.as_json()
             if args.layers:
-                obj["per_layer"] = [_entry_json(e) for e in spec.entries]
+                obj["per_layer"] = [e.to_json() for e in spec.entries]
             out.append(obj)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -103,12 +104,6 @@ def _weight_bytes(plan) -> int:
     from kvstate.config.dtypes import dtype_bytes
 
     return plan.params.total * dtype_bytes(plan.dtype)
-
-
-def _entry_json(e) -> dict:
-    def t(spec):
-        return None if spec is None else {"shape": list(spec.shape), "dtype": spec.dtype, "bytes": spec.nbytes}
-    return {"layer": e.layer, "kind": e.kind, "kv_per_token": t(e.kv), "recurrent": t(e.recurrent), "conv": t(e.conv)}
 
 
 # ---- human output -------------------------------------------------------------------------------
@@ -144,7 +139,7 @@ def _bar(plan):
 def _print_tables(args, contexts, models, fits, chart) -> None:
     from rich.table import Table
 
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
     from kvstate.memory import format_bytes as fb
     from kvstate.memory import format_tokens
 

@@ -14,8 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
-from kvstate.commands.arg_types import count_arg, seed_arg
-from kvstate.commands.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
+from kvstate.terminal.arg_types import count_arg, seed_arg
+from kvstate.terminal.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
 from kvstate.errors import KvstateError
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -111,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _app(args: argparse.Namespace, model):
-    from kvstate.commands.console import make_console
-    from kvstate.commands.engine_args import speculative_config
-    from kvstate.commands.progress import load_progress
-    from kvstate.engine.llm import LLM
+    from kvstate.terminal.console import make_console
+    from kvstate.terminal.engine_args import speculative_config
+    from kvstate.terminal.progress import load_progress
+    from kvstate.llm import LLM
     from kvstate.hub import resolve_checkpoint
     from kvstate.server.app import create_app
 

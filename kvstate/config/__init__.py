@@ -1,11 +1,10 @@
 """Config reading and the normalized layer plan (torch-free).
 
-    from kvstate.config import read_plan
-    plan = read_plan("qwen3.5-0.8b")      # or a config.json path, a checkpoint dir, a dict
-    plan.layer_string                      # 'GGGAGGGA...'
-    plan.layers[3].mixers[0]               # AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=256, ...)
+    from kvstate.config import load_config
+    load_config("qwen3.5-0.8b")            # the bundled config.json as a dict
+    # kvstate.families.read_plan(...) turns a config into a ModelPlan (the families sit above this package)
 
-Modules: `plan` (dataclasses), `reader` (files, bundled names, dispatch to kvstate.families),
+Modules: `plan` (dataclasses), `reader` (files, bundled names, the config and its labels),
 `fields` (typed reads with file+field errors), `params` (parameter estimate), `dtypes`.
 """
 
@@ -26,11 +25,11 @@ from kvstate.config.plan import (
     ParamEstimate,
     ShortConvSpec,
 )
-from kvstate.config.reader import BUNDLED, bundled_names, bundled_path, load_config, read_plan, resolve
+from kvstate.config.reader import BUNDLED, bundled_names, bundled_path, load_config, read_config, resolve
 
 __all__ = [
     "AttentionSpec", "BUNDLED", "FfnSpec", "GatedDeltaNetSpec", "KDASpec", "KV_KINDS", "LETTERS", "LayerSpec",
     "MLASpec", "Mamba1Spec", "Mamba2Spec", "MixerSpec", "ModelPlan", "ParamEstimate", "ShortConvSpec",
     "bundled_names", "bundled_path", "canonical_dtype", "dtype_bytes", "known_dtypes", "load_config",
-    "read_plan", "resolve",
+    "read_config", "resolve",
 ]

@@ -2,7 +2,7 @@
 with the value transformers would fill in, so kvstate reads every config as transformers does.
 
 The table (kvstate/data/config_defaults.json) is generated from transformers' own config classes,
-not written by hand: `python -m kvstate.config.defaults` rewrites it (transformers installed), and
+not written by hand: `python -m kvstate.families.defaults_table` rewrites it (transformers installed), and
 tests/test_config_defaults.py checks it still equals those classes. At run time it is plain JSON:
 no torch, no transformers. Kept: the defaults of each class's own fields that are JSON scalars
 (int, finite float, str, bool); None means "derived from other fields" in transformers, and the
@@ -77,15 +77,3 @@ def generate(model_types: list[str]) -> dict[str, Any]:
                 defaults[sub_type] = _class_defaults(sub_cls, base)
     return {"transformers_version": transformers.__version__, "defaults": dict(sorted(defaults.items())),
             "sub_configs": subs}
-
-
-def main() -> None:
-    from kvstate.families import supported_model_types
-
-    path = Path(str(resources.files("kvstate") / "data" / TABLE))
-    path.write_text(json.dumps(generate(supported_model_types()), indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

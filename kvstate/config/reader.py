@@ -1,7 +1,8 @@
 """Read an HF config.json (a file, a checkpoint directory or a bundled short name) into a plan.
 
-`load_config(source) -> dict` finds and parses the JSON; `read_plan(source_or_dict) -> ModelPlan`
-dispatches on `model_type` to the family adapter (kvstate.families). Every bad input is one
+`load_config(source) -> dict` finds and parses the JSON; `read_config(source)` also gives the label
+and display name that `kvstate.families.read_plan` dispatches on `model_type` with (the families
+import this package, never the other way). Every bad input is one
 KvstateError that names the file and, where there is one, the field. No torch, no transformers.
 """
 
@@ -13,8 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvstate.config.fields import ConfigView
-from kvstate.config.plan import ModelPlan
 from kvstate.errors import KvstateError
 
 # Bundled configs (kvstate/data/configs/<name>.json, real values), in the order of the tables
@@ -118,11 +117,8 @@ def _default_name(path: Path, resolved_name: str | None, data: Mapping[str, Any]
     return path.stem
 
 
-def read_plan(source: str | os.PathLike | Mapping[str, Any], *, name: str | None = None) -> ModelPlan:
-    """The normalized layer plan of a config (see kvstate.config.plan).
-
-    `source` is a config.json path, a checkpoint directory, a bundled short name or an
-    already-loaded dict; `name` overrides the display name."""
+def read_config(source: str | os.PathLike | Mapping[str, Any], name: str | None = None) -> tuple[dict, str, str]:
+    """(the config dict, its label for error messages, its display name) of any `read_plan` source."""
     if isinstance(source, Mapping):
         data, label = dict(source), name or "<config>"
         default = name or str(data.get("_name_or_path") or data.get("model_type") or "model")
@@ -131,16 +127,4 @@ def read_plan(source: str | os.PathLike | Mapping[str, Any], *, name: str | None
         label = _label(path, resolved_name)
         data = _parse(path, label)
         default = _default_name(path, resolved_name, data)
-    return plan_from_dict(data, label, name or default)
-
-
-def plan_from_dict(data: Mapping[str, Any], label: str, name: str) -> ModelPlan:
-    from kvstate.families import adapter, supported_model_types  # lazy: families import this package
-
-    cfg = ConfigView(data, label)
-    model_type = cfg.str("model_type")
-    family = adapter(model_type)
-    if family is None:
-        raise cfg.error("model_type", f"unsupported model_type {model_type!r}; supported: "
-                        f"{', '.join(supported_model_types())}")
-    return family.read(cfg, name)
+    return data, label, name or default

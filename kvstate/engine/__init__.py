@@ -12,7 +12,7 @@ One engine step (`EngineCore.step`, engine/core.py):
     finished = scheduler.postprocess(step, out.token_ids)
     -> one EngineOutput per request that changed: new tokens, new text, finished, RequestOutput
 
-`LLM` (engine/llm.py) is the user API over it: it routes each output to the request's collector.
+`LLM` (kvstate/llm.py) is the user API over it: it routes each output to the request's collector.
 """
 
 from kvstate.engine.block_manager import BlockManager, CacheAccountingError, SlotManager

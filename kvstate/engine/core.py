@@ -75,9 +75,9 @@ def _draft_costs(speculative_config, max_num_seqs: int, block_size: int) -> tupl
     if speculative_config is None:
         return None
     from kvstate.cache.spec import cache_spec
-    from kvstate.config import read_plan
-    from kvstate.engine.spec.config import SpeculativeConfig
-    from kvstate.engine.spec.draft_model import draft_pool_bytes
+    from kvstate.families import read_plan
+    from kvstate.engine.speculative.config import SpeculativeConfig
+    from kvstate.engine.speculative.draft_model import draft_pool_bytes
     from kvstate.hub import resolve_checkpoint
 
     config = SpeculativeConfig.from_dict(speculative_config)
@@ -97,7 +97,7 @@ class EngineCore:
                  num_snapshot_slots: int | None = None, speculative_config=None, runner_class=None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.spec`).
+        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
         `runner_class`: ModelRunner by default; tensor parallelism's rank-0 runner (kvstate.parallel.engine)."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
@@ -147,11 +147,11 @@ class EngineCore:
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
-        self.spec = None  # speculative decoding's Proposer
+        self.proposer = None  # speculative decoding's Proposer
         if speculative_config is not None:
-            from kvstate.engine.spec.proposer import make_proposer
+            from kvstate.engine.speculative.proposer import make_proposer
 
-            self.spec = make_proposer(speculative_config, self)
+            self.proposer = make_proposer(speculative_config, self)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
 
@@ -163,7 +163,7 @@ class EngineCore:
         """(prefill FLOPs per token, per token pair, slot bytes, block bytes) for the snapshot eviction:
         2 per weight per token; attention's QK and PV ~ 2 per cached K/V element per query (GQA's
         extra query heads left out: a proxy, the same for every snapshot of this model)."""
-        spec, sizes = self.runner.spec, self.runner.sizes
+        spec, sizes = self.runner.cache_spec, self.runner.sizes
         weights = sum(p.numel() for p in self.model.parameters())
         kv_elems = spec.kv_bytes_per_token / 4  # the runner's KV pools are fp32
         return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
@@ -201,11 +201,11 @@ class EngineCore:
         want = any(p.logprobs is not None for p in step.sample_params())
         logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
         finished = self.scheduler.postprocess(step, out.token_ids, logprobs)
-        if self.spec is not None:  # roll verified states back, count, draft for the next step
+        if self.proposer is not None:  # roll verified states back, count, draft for the next step
             self.runner.keep(step)
-            self.spec.record(step, out.token_ids)
-            self.spec.release([*finished, *step.preempted])
-            self.spec.propose(self.scheduler.running)
+            self.proposer.record(step, out.token_ids)
+            self.proposer.release([*finished, *step.preempted])
+            self.proposer.propose(self.scheduler.running)
         sampled = step.sample_seqs()
         in_step = {id(s) for s in sampled}
         return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]
@@ -244,4 +244,4 @@ class EngineCore:
                 "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
                 **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()},
                 **(s.prefix.cache.report() if s.prefix is not None else {}),
-                **(self.spec.stats() if self.spec is not None else {})}
+                **(self.proposer.stats() if self.proposer is not None else {})}

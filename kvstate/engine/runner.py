@@ -19,7 +19,7 @@ from kvstate.cache.pools import LayerCache, allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
 from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
-from kvstate.engine.spec.rejection import sample_step
+from kvstate.engine.speculative.rejection import sample_step
 from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
 from kvstate.models.batch import Batch
@@ -30,11 +30,11 @@ class ModelRunner:
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
                  conv_window: str = "kernel", seed: int | None = None):
         self.model, self.plan, self.block_size = model, plan, block_size
-        self.spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
+        self.cache_spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
                                conv_window=conv_window)
-        self.sizes = pool_sizes(self.spec, cache_bytes, block_size=block_size, num_slots=num_slots,
+        self.sizes = pool_sizes(self.cache_spec, cache_bytes, block_size=block_size, num_slots=num_slots,
                                 max_model_len=max_model_len)
-        self.caches: list[LayerCache] = allocate_pools(self.spec, num_blocks=self.sizes.num_blocks,
+        self.caches: list[LayerCache] = allocate_pools(self.cache_spec, num_blocks=self.sizes.num_blocks,
                                                        block_size=block_size, num_slots=num_slots, device=model.device)
         # sampling state: seeded requests' generators by request id; the others share `generator`
         self.generators = RequestGenerators(model.device)

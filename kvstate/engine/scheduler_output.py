@@ -53,7 +53,7 @@ class SchedulerOutput:
         self.samples.append(seq.num_computed_tokens + n == seq.num_tokens if sample is None else sample)
 
     def add_drafts(self, drafts: list[int]) -> None:
-        """Make the last entry a verify entry: the last known token, then `drafts` (kvstate.engine.spec)."""
+        """Make the last entry a verify entry: the last known token, then `drafts` (kvstate.engine.speculative)."""
         i = len(self.seqs) - 1
         assert self.num_tokens[i] == 1 + len(drafts) and drafts, (self.num_tokens[i], drafts)
         self.drafts[i] = list(drafts)

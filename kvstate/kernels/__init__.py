@@ -13,11 +13,19 @@ from kvstate.kernels.dispatch import (
     MAX_ROWS,
     MAX_ROWS_BF16,
     backend,
+    choice,
     info,
     linear,
     torch_linear,
 )
 from kvstate.kernels.linear_module import Linear
 
-__all__ = ["CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "info", "linear",
+
+def extension():
+    """The compiled extension module, or None where it is not built or cannot load (`info()` says why)."""
+    from kvstate.kernels import _ext
+
+    return _ext.load()
+
+__all__ = ["CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "choice", "extension", "info", "linear",
            "torch_linear"]

@@ -45,11 +45,12 @@ _DEFAULT = backend_from_env()
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
-def _choice() -> str:
-    choice = _forced.get() or _DEFAULT
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected one of {', '.join(CHOICES)}")
-    return choice
+def choice() -> str:
+    """The backend in force: `backend(name)`'s, else the environment's (KVSTATE_KERNELS), else "auto"."""
+    name = _forced.get() or _DEFAULT
+    if name not in CHOICES:
+        raise ValueError(f"{ENV}={name!r}: expected one of {', '.join(CHOICES)}")
+    return name
 
 
 @contextlib.contextmanager
@@ -113,8 +114,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             scale: torch.Tensor | None) -> torch.Tensor:
     if (weight.dtype == torch.int8) != (scale is not None):
         raise ValueError("an int8 weight needs its per-row scale, and only an int8 weight takes one")
-    choice = _choice()
-    if choice != "torch" and _eligible(x, weight, bias):
+    chosen = choice()
+    if chosen != "torch" and _eligible(x, weight, bias):
         flat = x.dim() == 2
         rows = x.shape[0] if flat else math.prod(x.shape[:-1])
         limit = MAX_ROWS if weight.dtype == torch.float32 else MAX_ROWS_BF16
@@ -125,23 +126,23 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             x2 = x if flat else x.reshape(rows, x.shape[-1])  # [M, K]; the extension makes it contiguous
             if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
                 scale = scale.float().contiguous()
-            y = ext.linear(x2, weight, bias, choice, scale=scale)
+            y = ext.linear(x2, weight, bias, chosen, scale=scale)
             return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
     return torch_linear(x, weight, bias, scale)
 
 
 def info() -> dict:
     """Which path `linear` takes here and why: backend, ISA, the CPU's ISAs, the library."""
-    choice = _choice()
+    chosen = choice()
     ext = _ext.load()
     isas = list(ext.isas()) if ext is not None else []
-    if choice == "torch":
+    if chosen == "torch":
         return dict(backend="torch", isa=None, isas=isas, reason=f"forced ({ENV}=torch or backend('torch'))",
                     max_rows=MAX_ROWS, library=str(_ext.LIBRARY) if ext else None)
     if ext is None:
         return dict(backend="torch", isa=None, isas=[], reason=_ext.unavailable_reason(), max_rows=MAX_ROWS,
                     library=None)
-    isa = isas[0] if choice == "auto" else choice
+    isa = isas[0] if chosen == "auto" else chosen
     reason = None if isa in isas else f"ISA {isa} not available on this CPU (has {', '.join(isas)})"
     return dict(backend="extension", isa=isa, isas=isas, reason=reason, max_rows=MAX_ROWS,
                 max_rows_bf16=MAX_ROWS_BF16, library=str(_ext.LIBRARY))

@@ -20,6 +20,11 @@ import torch
 _wide: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvstate_wide_threads", default=None)
 
 
+def serial_outer_threads() -> int | None:
+    """Inside `small_ops_serial`, the caller's thread count that `wide()` restores; None outside it."""
+    return _wide.get()
+
+
 def wide_threads() -> int:
     """The threads the heavy parts may use: the caller's torch threads outside `small_ops_serial`."""
     return _wide.get() or torch.get_num_threads()

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as torch_module
 
-from kvstate.kernels import Linear, _ext
+from kvstate.kernels import Linear, choice, extension
 from kvstate.kernels import decode as kdecode
-from kvstate.kernels.dispatch import _choice
-from kvstate.kernels.threads import _wide
+from kvstate.kernels.threads import serial_outer_threads
 from kvstate.layers.attention import Attention
 from kvstate.layers.gated_deltanet import GatedDeltaNet
 from kvstate.layers.mlp import GatedMLP
@@ -52,7 +51,7 @@ def per_op():
 
 def for_step(model, batch) -> list | None:
     """[compiled block or None per block] for this step, or None (not decode-only, or not served)."""
-    if not batch.decode_only or _off.get() or _choice() != "auto" or torch.is_grad_enabled():
+    if not batch.decode_only or _off.get() or choice() != "auto" or torch.is_grad_enabled():
         return None
     plans = getattr(model, "_decode_blocks", None)
     if plans is None or not all(g.intact() for g in plans[1]):  # a .to() since: build again
@@ -63,7 +62,7 @@ def for_step(model, batch) -> list | None:
 def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
     """The block as one call: (x + delta, its output delta), like `Block.forward_pending`.
     `entry`: (kind, compiled block) from the plan."""
-    wide = _wide.get() or 0
+    wide = serial_outer_threads() or 0
     kind, entry = entry
     if kind == "gdn":
         group = batch.groups[0]
@@ -77,7 +76,7 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
 
 def plan(model) -> tuple[list, list]:
     """([(kind, compiled block) or None per block], the fused groups they read: stale once one is not intact)."""
-    ext = _ext.load()
+    ext = extension()
     blocks, groups = [], []
     for block in model.layers:
         made = None

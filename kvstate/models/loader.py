@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonical_weight_dtype
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
@@ -127,7 +127,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                 done += tensor.numel() * tensor.element_size()
                 progress(min(done, total), total)
             for t in targets:
-                _copy(params, filled, t, tensor, key, file.name, plan)
+                copy_weight(params, filled, t, tensor, key, file.name, plan)
     if progress is not None:
         progress(total, total)
     if plan.tie_word_embeddings:
@@ -175,7 +175,7 @@ def _config_hint(plan, expected: tuple[int, ...], got: tuple[int, ...]) -> str:
     return f"; config.json's {shown} disagrees with the weights"
 
 
-def _copy(params, filled, target, tensor, key, file, plan):
+def copy_weight(params, filled, target, tensor, key, file, plan):
     if target.name not in params:
         raise KvstateError(f"{file}: tensor {key!r} maps to {target.name!r}, which this model does not have")
     dest = params[target.name]

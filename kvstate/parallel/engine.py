@@ -172,7 +172,7 @@ def start(path, size: int, *, weight_dtype=None, timeout: float = DEFAULT_TIMEOU
     one KvstateError before any process starts, as are int8 weights."""
     from functools import partial
 
-    from kvstate.config import read_plan
+    from kvstate.families import read_plan
     from kvstate.parallel.model import check_weight_dtype, load_shard
     from kvstate.parallel.plan import shard_plan
 

@@ -31,7 +31,7 @@ from kvstate.layers.moe import Experts
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.kernels.hugepages import place_weights
 from kvstate.models.build import build_ffn, build_model, fuse_projections, set_weight_dtype
-from kvstate.models.loader import _copy, checkpoint_weight_dtype, open_checkpoint, weight_dtype_of
+from kvstate.models.loader import copy_weight, checkpoint_weight_dtype, open_checkpoint, weight_dtype_of
 from kvstate.parallel.comm import TPGroup
 from kvstate.parallel.plan import shard_plan, vocab_range
 from kvstate.parallel.shard import model_cuts, read_target
@@ -216,7 +216,7 @@ def _fill(file: Path, family, plan, cuts, params, filled) -> None:
                 cut = cuts.get(t.name)
                 if cut is None:  # replicated: the whole tensor (read once for all its targets)
                     whole = f.get_tensor(key) if whole is None else whole
-                    _copy(params, filled, t, whole, key, file.name, plan)
+                    copy_weight(params, filled, t, whole, key, file.name, plan)
                     continue
                 shape = tuple(part.get_shape())
                 if not t.index and t.rows is None and (len(shape) <= cut.dim or shape[cut.dim] != cut.full):

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from kvstate.commands.arg_types import count_arg, seed_arg
+from kvstate.terminal.arg_types import count_arg, seed_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstate.commands.number_list import number_list
-    from kvstate.commands.plot_path import check_plot_path
+    from kvstate.terminal.number_list import number_list
+    from kvstate.terminal.plot_path import check_plot_path
     from kvstate.errors import KvstateError
 
     key_dims = number_list("--key-dim", args.key_dim, int, 1, 512)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(rows, args) -> None:
     from rich.table import Table
 
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
     from kvstate.recall.capacity import mixer_label
 
     table = Table(title="what one head's state holds: write N pairs, read every key back")

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from kvstate.commands.arg_types import count_arg, seed_arg
+from kvstate.terminal.arg_types import count_arg, seed_arg
 
 DEFAULT_SIZES = "4,8,16,32,64"
 
@@ -31,15 +31,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the books (default: 0)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="write accuracy vs book size (.png or .svg)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON (no progress bar)")
-    from kvstate.commands.engine_args import add_weight_dtype
+    from kvstate.terminal.engine_args import add_weight_dtype
 
     add_weight_dtype(parser)  # e.g. int8: does the model still recall exactly with quantized projections?
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstate.commands.console import make_console
-    from kvstate.commands.number_list import number_list
-    from kvstate.commands.plot_path import check_plot_path
+    from kvstate.terminal.console import make_console
+    from kvstate.terminal.number_list import number_list
+    from kvstate.terminal.plot_path import check_plot_path
     from kvstate.errors import KvstateError
     from kvstate.hub import resolve_checkpoint
     from kvstate.shipped import DEFAULT_MODEL
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     for name, path in zip(names, paths):
         if not (path / "tokenizer.json").is_file():
             raise KvstateError(f"{name}: no tokenizer.json (the phonebook test writes and reads text)")
-    from kvstate.engine.llm import LLM
+    from kvstate.llm import LLM
     from kvstate.recall.phonebook_eval import phonebook_curve, plot_curve
 
     console = make_console(stderr=True)

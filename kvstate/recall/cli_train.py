@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvstate.commands.arg_types import count_arg, seed_arg
+from kvstate.terminal.arg_types import count_arg, seed_arg
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from kvstate.commands.arg_types import count_arg, seed_arg, whole_number
+from kvstate.terminal.arg_types import count_arg, seed_arg, whole_number
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def _worker(name: str, recipe, out: str, queue, layers: dict | None = None) -> N
 def run(args: argparse.Namespace) -> int:
     import multiprocessing as mp
 
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
     from kvstate.errors import KvstateError
     from kvstate.recall.train_default import LAYERS, DefaultRecipe
     from kvstate.shipped import models_dir

@@ -1,7 +1,7 @@
 """The phonebook test through the engine: exact recall against book size, with the cache it took.
 
 For each book size, `queries` fresh books (seeded), each with one question, run through
-`kvstate.engine.llm.LLM` greedily as one batch: in the checkpoint's chat format when it has a
+`kvstate.llm.LLM` greedily as one batch: in the checkpoint's chat format when it has a
 chat template (the user message is the book and the question), as a plain prompt otherwise. A
 reply counts when the first number in it is the number asked, digit for digit
 (`tasks.first_number`: "8695", "Nadia Khan: 8695" and "It is 8695." all count; "869" or

@@ -9,7 +9,7 @@ import itertools
 import json
 import os
 
-from kvstate.commands.number_list import number_list
+from kvstate.terminal.number_list import number_list
 from kvstate.errors import KvstateError
 from kvstate.recall.trainer import TrainConfig
 
@@ -72,7 +72,7 @@ def _set_threads(threads: int | None) -> None:
 def train_and_report(cfg: TrainConfig, *, out: str | None, resume: bool, quiet: bool, threads: int | None = None,
                      label: str = "", table: bool = True) -> dict:
     """One run with a progress bar (unless quiet); result.json, checkpoint.pt and curve.png in `out`."""
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
     from kvstate.recall.trainer import train
 
     _set_threads(threads)
@@ -132,7 +132,7 @@ def _quarters(by_rank: list | None) -> tuple[str, str]:
 
 def sweep(args: argparse.Namespace) -> list[dict]:
     """Every config of the grid, one after another, in DIR/<name>/; sweep.json and two plots in DIR."""
-    from kvstate.commands.console import make_console
+    from kvstate.terminal.console import make_console
     from kvstate.recall.plots import plot_sweep
 
     configs = configs_from_args(args)

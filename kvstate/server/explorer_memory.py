@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from kvstate.cache.spec import CacheSpec, cache_spec
 from kvstate.config.plan import KV_KINDS, ModelPlan
-from kvstate.config.reader import bundled_names, read_plan
+from kvstate.config.reader import bundled_names
+from kvstate.families import read_plan
 from kvstate.errors import KvstateError
 from kvstate.memory import format_bytes, format_tokens, summary
 from kvstate.memory_plot import hypothetical_curves
@@ -35,12 +36,6 @@ def context_stops(plan: ModelPlan) -> list[int]:
         stops.append(hi)
     return stops
 
-
-def entry_json(e) -> dict:
-    """One cache entry as `kvstate memory --json --layers` writes it."""
-    from kvstate.commands.memory import _entry_json  # the CLI's own writer, so both say the same
-
-    return _entry_json(e)
 
 
 def curves(plan: ModelPlan, spec: CacheSpec, stops: list[int]) -> list[dict]:
@@ -68,7 +63,7 @@ def layer_rows(plan: ModelPlan, spec: CacheSpec, context: int) -> list[dict]:
         kv = sum(e.kv_bytes_per_token for e in entries) * context
         state = sum(e.state_bytes for e in entries)
         rows.append({"index": layer.index, "letter": layer.letter, "kinds": list(layer.kinds), "ffn": layer.ffn.kind,
-                     "entries": [entry_json(e) for e in entries],
+                     "entries": [e.to_json() for e in entries],
                      "kv_tokens": context if kv else 0,  # the KV tensor's token dimension at this context
                      "kv_bytes": kv, "state_bytes": state, "bytes": kv + state, "human": format_bytes(kv + state)})
     return rows
@@ -85,7 +80,7 @@ def memory_view(plan: ModelPlan, *, context: int | None = None, kv_dtype: str | 
         raise KvstateError(f"context must be between 1 and {MAX_CONTEXT} tokens, got {context}")
     lines = curves(plan, spec, stops)
     memory = summary(plan, spec, (context,))
-    memory["per_layer"] = [entry_json(e) for e in spec.entries]
+    memory["per_layer"] = [e.to_json() for e in spec.entries]
     readings = [{"label": c["label"], "kind": c["kind"], "bytes": c["per_token"] * context + c["fixed"],
                  "human": format_bytes(c["per_token"] * context + c["fixed"])} for c in lines]
     return {"model": plan.name, "layer_string": plan.layer_string, "context": context,

@@ -144,7 +144,7 @@ def test_random_walk_never_leaks_or_double_owns(seed):
 
 def test_pool_sizes_spend_the_budget_as_the_planner_counts():
     from kvstate.cache import cache_spec
-    from kvstate.config import read_plan
+    from kvstate.families import read_plan
     from kvstate.engine.block_manager import pool_sizes
     from kvstate.errors import KvstateError
 

@@ -86,7 +86,7 @@ def checkpoint(request, tmp_path_factory):
 def small_llm(path, num_seqs=6, blocks=24, block_size=4, budget=24):
     """An engine whose pools hold `num_seqs` state slots and about `blocks` KV blocks."""
     probe = LLM(path, cache_memory="64MiB", block_size=block_size, max_num_seqs=num_seqs)
-    spec = probe.runner.spec
+    spec = probe.runner.cache_spec
     budget_bytes = num_seqs * spec.state_bytes + blocks * block_size * spec.kv_bytes_per_token
     return LLM(path, cache_memory=budget_bytes, block_size=block_size, max_num_seqs=num_seqs,
                max_num_batched_tokens=budget)
@@ -110,7 +110,7 @@ def test_arrivals_chunked_prefill_and_preemption_give_exact_greedy_tokens(checkp
                 done[out.request_id] = out.output
         step += 1
     assert all(o.finish_reason == "length" for o in done.values())
-    kv_layers = llm.runner.spec.kv_bytes_per_token > 0
+    kv_layers = llm.runner.cache_spec.kv_bytes_per_token > 0
     if kv_layers:  # a model without KV layers never runs out of blocks
         preemptions = sum(o.metrics["num_preemptions"] for o in done.values())
         assert preemptions > 0, "the small cache should have forced a preemption"

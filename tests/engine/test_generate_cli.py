@@ -12,7 +12,7 @@ import pytest
 
 from kvstate.cli import main
 from kvstate.commands.generate import configure, read_prompts, summary
-from kvstate.commands.progress import load_progress
+from kvstate.terminal.progress import load_progress
 from kvstate.errors import KvstateError
 from tests.engine.test_engine import tiny_qwen3_5
 from tests.models.test_tokenizer import write_tokenizer

@@ -76,7 +76,7 @@ def test_shared_system_prompt_and_branching_conversations(path):
 
 def test_preemption_under_memory_pressure_stays_exact(path):
     probe = LLM(path, cache_memory="64MiB", block_size=4)
-    spec = probe.runner.spec
+    spec = probe.runner.cache_spec
     budget = 9 * spec.state_bytes + 16 * 4 * spec.kv_bytes_per_token  # 4 sequences + 5 snapshots, 16 blocks
     llm = LLM(path, cache_memory=budget, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
               enable_prefix_caching=True, snapshot_interval=8, num_snapshot_slots=5)

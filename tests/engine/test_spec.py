@@ -43,7 +43,7 @@ class NoisyReplay:
 
 def small_spec_llm(path, spec, blocks=24, block_size=4, num_seqs=6, budget=24, **kw):
     probe = LLM(path, cache_memory="64MiB", block_size=block_size, max_num_seqs=num_seqs)
-    s = probe.runner.spec
+    s = probe.runner.cache_spec
     return LLM(path, cache_memory=num_seqs * s.state_bytes + blocks * block_size * s.kv_bytes_per_token,
                block_size=block_size, max_num_seqs=num_seqs, max_num_batched_tokens=budget, speculative_config=spec,
                **kw)
@@ -69,7 +69,7 @@ def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, draf
     prompts[3] = [5, 6, 7, 8] * 4  # something prompt lookup can draft from
     expected = [greedy_generate(llm.model, p, NEW) for p in prompts]
     if drafter == "noisy":
-        llm.engine.spec.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
+        llm.engine.proposer.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
     outs = run_arrivals(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()
@@ -80,7 +80,7 @@ def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, draf
     if drafter == "noisy":
         assert 0 < accepted < drafted
         assert stats["spec_acceptance_rate"] == pytest.approx(accepted / drafted)
-        if llm.runner.spec.kv_bytes_per_token:
+        if llm.runner.cache_spec.kv_bytes_per_token:
             assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
@@ -88,7 +88,7 @@ def test_stop_inside_the_accepted_drafts_ends_there(checkpoint):
     llm = LLM(checkpoint, cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 6})
     prompt = random_ids(VOCAB, 9, 5)
     plain = greedy_generate(llm.model, prompt, NEW)
-    llm.engine.spec.drafter = NoisyReplay({tuple(prompt): prompt + plain})
+    llm.engine.proposer.drafter = NoisyReplay({tuple(prompt): prompt + plain})
     stop = plain[7]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
     assert out.token_ids == plain[: plain.index(stop) + 1] and out.finish_reason == "stop"
@@ -113,7 +113,7 @@ def test_a_hybrid_draft_model_of_the_same_vocabulary(tmp_path):
         assert stats["spec_num_draft_tokens"] > 0
         if source == target:
             assert stats["spec_acceptance_rate"] == 1.0
-        drafter = llm.engine.spec.drafter
+        drafter = llm.engine.proposer.drafter
         assert not drafter.held and drafter.slots.num_free_slots == drafter.runner.sizes.num_slots
         # both models' pools come out of the one --cache-memory budget, the draft's sized for the target's tokens
         target_bytes, draft_bytes = sum(llm.engine.runner.pool_bytes.values()), sum(drafter.runner.pool_bytes.values())
@@ -156,7 +156,7 @@ def test_prefix_caching_and_speculation_together_stay_exact(checkpoint):
     second = [p + o + random_ids(VOCAB, 4, 90 + i) for i, (p, o) in enumerate(zip(first, want1))]
     second.append(first[0] + want1[0] + random_ids(VOCAB, 5, 99))  # another branch of the first chat
     want2 = [greedy_generate(llm.model, p, NEW) for p in second]
-    llm.engine.spec.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(first + second, want1 + want2)})
+    llm.engine.proposer.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(first + second, want1 + want2)})
     assert [o.token_ids for o in llm.generate(first, params)] == want1
     outs = llm.generate(second, params)
     assert [o.token_ids for o in outs] == want2

@@ -20,7 +20,7 @@ def test_bench_spec_quick(capsys):
 def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
     """--model takes a shipped model's name; its copy-heavy prompt is a chat asking to repeat a passage."""
     from kvstate.bench.spec import copy_prompt
-    from kvstate.engine.llm import LLM
+    from kvstate.llm import LLM
 
     assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
                  "--new-tokens", "6", "--repeats", "1", "--json", "--threads", "1"]) == 0

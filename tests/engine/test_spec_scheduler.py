@@ -2,9 +2,9 @@
 appended up to a stop, the KV blocks past the accepted length freed, the kept count recorded."""
 
 from kvstate.engine import SamplingParams, Scheduler, SchedulerConfig
-from kvstate.engine.spec.ngram import NgramDrafter
-from kvstate.engine.spec.config import SpeculativeConfig
-from kvstate.engine.spec.proposer import Proposer
+from kvstate.engine.speculative.ngram import NgramDrafter
+from kvstate.engine.speculative.config import SpeculativeConfig
+from kvstate.engine.speculative.proposer import Proposer
 
 
 def make(**kw):

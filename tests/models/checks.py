@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.models.batch import Batch

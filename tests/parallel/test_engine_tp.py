@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 
 from kvstate.cache.spec import cache_spec
 from kvstate.cli import main
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.engine.core import EngineCore
-from kvstate.engine.llm import LLM
+from kvstate.llm import LLM
 from kvstate.engine.params import SamplingParams
 from kvstate.parallel.comm import TPGroup, free_port
 from kvstate.parallel.engine import TPRunner

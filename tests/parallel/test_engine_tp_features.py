@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvstate.engine.core import EngineCore
-from kvstate.engine.llm import LLM
+from kvstate.llm import LLM
 from kvstate.engine.params import SamplingParams
 from kvstate.parallel.comm import TPGroup, free_port
 from kvstate.parallel.engine import TPRunner

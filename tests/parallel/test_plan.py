@@ -3,7 +3,7 @@
 import pytest
 
 from kvstate.cache.spec import cache_spec
-from kvstate.config import read_plan
+from kvstate.families import read_plan
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.models.build import build_model

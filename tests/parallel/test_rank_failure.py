@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvstate.engine.llm import LLM
+from kvstate.llm import LLM
 from kvstate.errors import KvstateError
 from kvstate.parallel.comm import RankFailure, TPGroup, free_port
 from tests.parallel.checkpoints import save_tiny

@@ -6,7 +6,7 @@ import urllib.request
 import pytest
 import torch
 
-from kvstate.engine.llm import LLM
+from kvstate.llm import LLM
 from kvstate.engine.params import SamplingParams
 from tests.live_server import ServerThread
 from tests.models.test_tokenizer import write_tokenizer

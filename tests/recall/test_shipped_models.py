@@ -14,7 +14,8 @@ import torch
 
 import kvstate
 from kvstate.cli import main
-from kvstate.config import bundled_names, read_plan
+from kvstate.config import bundled_names
+from kvstate.families import read_plan
 from kvstate.errors import KvstateError
 from kvstate.hub import resolve_checkpoint, resolve_config
 from kvstate.models.generate import forward_logits, greedy_generate
@@ -74,7 +75,7 @@ def test_hybrid_answers_phone_books_through_the_engine_and_the_linear_one_does_n
     """Greedy through the engine, 16 fresh 4-entry books each: the hybrid replies with the book's line
     ("Name: 1234", then the end of its turn) for most; copying a random line of the book would get
     a quarter. The linear model (no attention) does not find the line (documented: 0%)."""
-    from kvstate.engine.llm import LLM
+    from kvstate.llm import LLM
     from kvstate.engine.params import SamplingParams
     from kvstate.recall.phonebook_eval import phonebook_curve
 

@@ -13,6 +13,6 @@ the KV blocks past them, and the runner keeps the linear layers' state at the ac
 (`kvstate.layers.recurrence.keep_states`).
 """
 
-from kvstate.engine.spec.config import SpeculativeConfig
+from kvstate.engine.speculative.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvstate.commands.arg_types import count_arg
+from kvstate.terminal.arg_types import count_arg
 from kvstate.errors import KvstateError
 
 

@@ -11,7 +11,7 @@ sampling depends on each previous token in ways the rejection sampler does not r
 from __future__ import annotations
 
 from kvstate.engine.sequence import Sequence, SequenceStatus
-from kvstate.engine.spec.config import SpeculativeConfig
+from kvstate.engine.speculative.config import SpeculativeConfig
 
 
 def eligible(params) -> bool:
@@ -73,11 +73,11 @@ def make_proposer(config, core) -> Proposer:
     """The Proposer of `config` (vLLM's dict) for an EngineCore: prompt lookup or a draft model."""
     config = SpeculativeConfig.from_dict(config)
     if config.method == "ngram":
-        from kvstate.engine.spec.ngram import NgramDrafter
+        from kvstate.engine.speculative.ngram import NgramDrafter
 
         drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
     else:
-        from kvstate.engine.spec.draft_model import DraftModelDrafter
+        from kvstate.engine.speculative.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter.load(config.model, core, config.num_speculative_tokens)
     return Proposer(config, drafter, core.max_model_len)
