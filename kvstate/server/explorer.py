@@ -184,3 +184,9 @@ async def recall(body: RecallRun, request: Request):
         raise _bad(exc) from None
     return {"task": body.task, "size": body.size, "seed": body.seed, "prompt": prompt, "answer": answer,
             "prompt_tokens": prompt_tokens, "candidates": rows}
+
+
+# spec 002's lessons (decay slider and gates, recall side by side, real-scale timing, cache time)
+from kvstate.server.explorer_lessons import router as _lessons  # noqa: E402 (after this router's own routes)
+
+router.include_router(_lessons)
