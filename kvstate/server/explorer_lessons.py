@@ -8,8 +8,8 @@
     GET  scale          the real-scale prefill/decode scenario from a bench result (null until one is given)
     POST scale          a `kvstate bench engine --json` result (uploaded): its scenario
     POST scale/run      start one bench run (a subprocess); GET scale reports it
-    POST cache/time     {"prompt", "max_tokens"}: the engine's steps with the cache, and a full forward
-                        without it at each step, both timed
+    POST cache/time     {"prompt", "max_tokens"}: the engine's steps replayed with the cache, and a full
+                        forward without it at each step, both timed
 
 Every model forward runs in a worker thread (never on the event loop) under one lock with the recall
 panel's, on bounded input: prompts of at most MAX_PROMPT_TOKENS tokens, at most MAX_TIMED_TOKENS
@@ -205,7 +205,7 @@ class TimedRun(BaseModel):
 @router.post("/cache/time")
 async def cache_time(body: TimedRun, request: Request):
     from kvstate.engine.params import SamplingParams
-    from kvstate.server.explorer_timing import no_cache_ms
+    from kvstate.server.explorer_timing import on_off_ms
 
     loop = _engine(request)
     rec = getattr(request.app.state, "explorer_recorder", None)
@@ -226,9 +226,13 @@ async def cache_time(body: TimedRun, request: Request):
         raise ApiError(final.error if final is not None else "the request did not finish")
     out_ids = list(final.outputs[0].token_ids)
     steps = rec.positions(sub.request_ids[0])
-    off = await _in_thread(request, lambda: no_cache_ms(loop.core.model, ids + out_ids, steps))
-    rows = [{**s, "with_cache_ms": s["ms"], "without_cache_ms": ms} for s, ms in zip(steps, off)]
+    # the last generated token is never fed back: the steps cover prompt + out_ids[:-1]
+    timed = await _in_thread(request, lambda: on_off_ms(loop.core.model, ids + out_ids, steps))
+    rows = [{**s, "engine_ms": s.pop("ms"), "with_cache_ms": on, "without_cache_ms": off}
+            for s, (on, off) in zip(steps, timed)]
     return {"prompt_tokens": len(ids), "output_tokens": len(out_ids), "text": final.outputs[0].text,
             "steps": rows, "with_cache_total": sum(s["with_cache"] for s in steps),
             "without_cache_total": sum(s["without_cache"] for s in steps),
-            "with_cache_ms": sum(r["with_cache_ms"] for r in rows), "without_cache_ms": sum(off)}
+            "with_cache_ms": sum(r["with_cache_ms"] for r in rows),
+            "without_cache_ms": sum(r["without_cache_ms"] for r in rows),
+            "engine_ms": sum(r["engine_ms"] for r in rows)}
