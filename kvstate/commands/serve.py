@@ -129,7 +129,7 @@ def _app(args: argparse.Namespace, model):
     except ImportError:  # the explorer's API is optional: the OpenAI routes serve without it
         pass
     spec = speculative_config(args)  # a bad flag fails before the weights load
-    bench = _bench_json(args.bench_json) if args.bench_json else None
+    bench = read_bench_json(args.bench_json) if args.bench_json else None
     path = resolve_checkpoint(model)
     with load_progress(make_console(stderr=True)) as progress:
         llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
@@ -146,7 +146,7 @@ def _app(args: argparse.Namespace, model):
     return app
 
 
-def _bench_json(path: str) -> dict:
+def read_bench_json(path: str) -> dict:
     """A saved bench result the explorer can use; one line when it is not one."""
     import json
 
