@@ -65,7 +65,7 @@ POOL_DIMS = {("k", None): "num_blocks, block_size, kv_heads, head_dim",
 def pool_tensors(core) -> list[dict]:
     """The real pool tensors of the first attention layer and the first linear layer: name, layer,
     shape and dtype (a KV block pool is indexed by block id and position in the block, not a dict)."""
-    spec = getattr(core.runner, "spec", None)  # a stand-in core (tests) may have neither spec nor pools
+    spec = getattr(core.runner, "cache_spec", None)  # a stand-in core (tests) may have neither spec nor pools
     kinds = {e.layer: e.kind for e in spec.entries} if spec is not None else {}
     out = []
     for key in ("k", "v", "latent", "state", "conv"):

@@ -98,7 +98,7 @@ async def gates(body: GatesRun, request: Request):
         walk = eg.walk(core.model, ids, layer) if layer is not None else []
         return layers, layer, walk
     layers, layer, walk = await _in_thread(request, run)
-    spec = core.runner.spec
+    spec = core.runner.cache_spec
     attention = [e.layer for e in spec.entries if e.kv is not None]
     return {"model": loop.model_name, "layer_string": core.plan.layer_string, "tokens": tokens,
             "truncated": len(core.tokenizer.encode(body.prompt)) > MAX_PROMPT_TOKENS,
