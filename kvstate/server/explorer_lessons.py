@@ -12,8 +12,8 @@
                         forward without it at each step, both timed
 
 Every model forward runs in a worker thread (never on the event loop) under one lock with the recall
-panel's, on bounded input: prompts of at most MAX_PROMPT_TOKENS tokens, at most MAX_TIMED_TOKENS
-generated.
+panel's, on bounded input: at most MAX_PROMPT_TOKENS tokens fed one by one, MAX_TIMED_TOKENS
+generated, MAX_RECOMPUTED positions in all the cache-off forwards of one timing.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvstate.server.protocol import ApiError
 MAX_PROMPT_TOKENS = 64  # the gates panel feeds the prompt one token at a time
 MAX_TIMED_PROMPT = 256
 MAX_TIMED_TOKENS = 64
+MAX_RECOMPUTED = 8192  # positions of all the cache-off forwards of one timing
 
 router = APIRouter(include_in_schema=False)  # serves the page, not clients
 
@@ -215,7 +216,12 @@ async def cache_time(body: TimedRun, request: Request):
     room = min(MAX_TIMED_PROMPT, loop.core.max_model_len - body.max_tokens)
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")
-    params = SamplingParams(temperature=0, max_tokens=body.max_tokens, ignore_eos=True)
+    n = body.max_tokens
+    recomputed = n * len(ids) + n * (n - 1) // 2  # positions the cache-off side runs, over all its steps
+    if recomputed > MAX_RECOMPUTED:
+        raise ApiError(f"without the cache this recomputes {recomputed:,} positions (a {len(ids)}-token prompt, "
+                       f"{n} tokens); keep it under {MAX_RECOMPUTED:,}: a shorter prompt or fewer tokens")
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     sub = loop.submit([(ids, params)])
     final = None
     async with sub:

@@ -151,6 +151,8 @@ def test_bounds_and_bad_input_are_400s(client):
         assert client.post("/explorer/api/compare", json=body).status_code == 400
     assert client.post("/explorer/api/cache/time", json={"prompt": "hi", "max_tokens": 65}).status_code == 400
     assert client.post("/explorer/api/cache/time", json={"prompt": long * 2, "max_tokens": 4}).status_code == 400
+    r = client.post("/explorer/api/cache/time", json={"prompt": " ".join(["word"] * 40), "max_tokens": 64})
+    assert r.status_code == 400 and "recomputes" in r.json()["error"]["message"]
 
 
 def eg_max() -> int:
