@@ -13,6 +13,10 @@ Routes under /explorer/api (kept out of the OpenAPI schema: they serve the page,
                     (the engine's own steps) and without (the whole prefix recomputed each step)
     POST recall     {"task": "needle"|"phonebook", "size": n, "seed": s}: candidates' probabilities
 
+Spec 002's lessons (the decay slider and the model's own horizons, recall side by side, the
+real-scale prefill/decode timeline, cache on/off in time) live in `explorer_lessons`, whose routes
+this router includes (decay, gates, compare, scale, scale/run, cache/time).
+
 The router's lifespan hangs a `StepRecorder` on the app's engine loop (`step_observers`), so the
 timeline starts with the server. Every bad input is a 400 with the server's error JSON.
 """

@@ -135,6 +135,23 @@ def test_scale_upload_and_a_run_started_from_the_page(client):
     assert r["run"] == {"status": "failed", "error": "no model here"} and r["scenario"] == scenario(fast)
 
 
+def test_compare_beside_the_other_shipped_model_or_any_checkpoint(client):
+    from kvstate.server.explorer_compare import MAX_CACHED
+
+    r = client.post("/explorer/api/compare", json={"task": "phonebook", "size": 4}).json()
+    served, other = r["models"]
+    assert other["model"] == "kvstate-phonebook-linear" and other["layer_string"] == "GGGG"
+    assert other["kv_bytes"] == 0 and other["chat_format"] and other["note"] is None
+    assert served["kv_bytes"] > 0 and "does not know" in served["note"]  # a random checkpoint
+    for rows in (served["candidates"], other["candidates"]):
+        assert rows[0]["text"] == r["answer"] and sum(c["share"] for c in rows) == pytest.approx(1.0)
+    path = str(client.app_ref.state.engine_loop.llm.plan.source).rsplit("/", 1)[0]
+    mine = client.post("/explorer/api/compare", json={"task": "needle", "size": 3, "other": path}).json()["models"]
+    assert mine[0]["candidates"] == mine[1]["candidates"]  # the same checkpoint scores the same
+    client.post("/explorer/api/compare", json={"other": "kvstate-phonebook-hybrid", "size": 2})
+    assert len(client.app_ref.state.explorer_models.models) == MAX_CACHED  # bounded: the oldest went
+
+
 def test_bounds_and_bad_input_are_400s(client):
     long = " ".join(["word"] * 300)
     g = client.post("/explorer/api/gates", json={"prompt": long}).json()

@@ -58,7 +58,7 @@ function recallColumn(m, answer) {
   const mine = m.candidates.find((c) => c.text === answer);
   return [el("h3", {}, m.model), el("p", {class: "mono"}, `layers ${m.layer_string} · ${fmtInt(m.prompt_tokens)} prompt ` +
            `tokens${m.chat_format ? " (chat format)" : ""}`, el("br"), `cache for this prompt: KV ${fmtBytes(m.kv_bytes)} + ` +
-           `state ${fmtBytes(m.state_bytes)}`),
+           `state ${fmtBytes(m.state_bytes)} (float32)`),
           ...(m.note ? [el("p", {class: "note"}, m.note)] : []), ...bars,
           el("p", {class: "mono muted"}, `the answer's share: ${mine ? mine.share.toFixed(3) : "?"}`)];
 }
