@@ -97,13 +97,13 @@ async def gates(body: GatesRun, request: Request):
         if layer is not None and layer not in linear:
             raise KvstateError(f"layer {layer} has no state (linear layers: {linear})")
         walk = eg.walk(core.model, ids, layer) if layer is not None else []
-        return layers, layer, walk
-    layers, layer, walk = await _in_thread(request, run)
+        return layers, layer, walk, linear
+    layers, layer, walk, linear = await _in_thread(request, run)
     spec = core.runner.cache_spec
     attention = [e.layer for e in spec.entries if e.kv is not None]
     return {"model": loop.model_name, "layer_string": core.plan.layer_string, "tokens": tokens,
             "truncated": len(core.tokenizer.encode(body.prompt)) > MAX_PROMPT_TOKENS,
-            "threshold": eg.THRESHOLD, "layers": layers, "state_layer": layer,
+            "threshold": eg.THRESHOLD, "layers": layers, "state_layer": layer, "state_layers": linear,
             "state_shape": eg.state_shape(core.model, layer) if layer is not None else [],
             "attention_layers": attention, "kv_bytes_per_token": spec.kv_bytes_per_token,
             "state_bytes": spec.state_bytes, "walk": walk}

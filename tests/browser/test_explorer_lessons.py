@@ -106,6 +106,9 @@ def test_decay_slider_and_the_models_own_horizons(page, live, tmp_path):
     assert pg.locator("#walk .kv-side").get_attribute("data-cells") == str(5 * 2)
     assert pg.locator("#walk .kv-row").first.locator(".cell").count() == 5
     assert pg.locator("#walk .state-side svg").count() == 1
+    assert pg.locator("#walk .state-side").get_attribute("data-layer") == "0"
+    pg.select_option("#gates-layer", "2")  # the other Gated DeltaNet layer's slot
+    pg.wait_for_selector("#walk .state-side[data-layer='2']", timeout=30_000)
     keep_panel(pg, tmp_path, "#mechanism-panel", "lesson-append-vs-in-place.png")
 
 

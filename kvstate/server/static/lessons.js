@@ -11,13 +11,18 @@ async function loadGates(ev) {
   const seq = ++gates.seq;
   let data;
   try {
-    data = await api("gates", {prompt: document.getElementById("gates-prompt").value});
+    const layer = document.getElementById("gates-layer").value;
+    data = await api("gates", {prompt: document.getElementById("gates-prompt").value,
+                               layer: layer === "" ? null : Number(layer)});
   } catch (err) {
     showError("gates-error", err);
     return;
   }
   if (seq !== gates.seq) return;
   gates.data = data;
+  const select = document.getElementById("gates-layer");
+  select.replaceChildren(...data.state_layers.map((i) => el("option", {value: i}, `${i} (${data.layer_string[i]})`)));
+  if (data.state_layer !== null) select.value = data.state_layer;
   const slider = document.getElementById("walk-slider");
   slider.max = Math.max(data.tokens.length - 1, 0);
   slider.value = slider.max;
@@ -173,6 +178,7 @@ async function initLessons() {
   document.getElementById("walk-slider").addEventListener("input", () => { clearInterval(gates.timer); drawWalk(); drawCartoon(); });
   document.getElementById("walk-play").addEventListener("click", playWalk);
   document.getElementById("gates-form").addEventListener("submit", loadGates);
+  document.getElementById("gates-layer").addEventListener("change", () => loadGates());
   drawCartoon();
   loadGates();
 }
