@@ -18,6 +18,7 @@ generated, MAX_RECOMPUTED positions in all the cache-off forwards of one timing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Literal
 
@@ -33,7 +34,15 @@ MAX_TIMED_PROMPT = 256
 MAX_TIMED_TOKENS = 64
 MAX_RECOMPUTED = 8192  # positions of all the cache-off forwards of one timing
 
-router = APIRouter(include_in_schema=False)  # serves the page, not clients
+@contextlib.asynccontextmanager
+async def _lifespan(app):
+    yield
+    run = getattr(app.state, "explorer_bench_run", None)
+    if run is not None:
+        run.stop()
+
+
+router = APIRouter(include_in_schema=False, lifespan=_lifespan)  # serves the page, not clients
 
 
 def _engine(request: Request):

@@ -73,6 +73,7 @@ class BenchRun:
         self.state = {"status": "idle"}
         self.result: dict | None = None
         self._lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
 
     def start(self) -> dict:
         with self._lock:
@@ -82,12 +83,25 @@ class BenchRun:
         threading.Thread(target=self._run, name="kvstate-explorer-bench", daemon=True).start()
         return self.state
 
+    def stop(self) -> None:
+        """Kill a run in progress (the server is stopping: no bench outlives it)."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
     def _run(self) -> None:
         try:
-            done = subprocess.run(self.command, capture_output=True, text=True, timeout=self.time_limit)
-            if done.returncode != 0:
-                raise KvstateError((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
-            result = json.loads(done.stdout)
+            self.proc = proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True)
+            try:
+                out, err = proc.communicate(timeout=self.time_limit)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+            if proc.returncode != 0:
+                raise KvstateError((err.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+            result = json.loads(out)
             scenario(result)  # refuse a result the panel cannot use
             self.result = result
             state = {"status": "done", "seconds": time.time() - self.state["started"]}

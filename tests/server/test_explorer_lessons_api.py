@@ -135,6 +135,20 @@ def test_scale_upload_and_a_run_started_from_the_page(client):
     assert r["run"] == {"status": "failed", "error": "no model here"} and r["scenario"] == scenario(fast)
 
 
+def test_a_bench_run_does_not_outlive_the_server(tmp_path):
+    from fastapi.testclient import TestClient
+
+    app = explorer_app(write_checkpoint(tmp_path))
+    app.state.explorer_bench_command = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with TestClient(app) as c:
+        assert c.post("/explorer/api/scale/run").json()["run"]["status"] == "running"
+        run = app.state.explorer_bench_run
+        deadline = time.monotonic() + 10
+        while run.proc is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert run.proc.wait(timeout=10) != 0  # killed at shutdown
+
+
 def test_compare_beside_the_other_shipped_model_or_any_checkpoint(client):
     from kvstate.server.explorer_compare import MAX_CACHED
 
