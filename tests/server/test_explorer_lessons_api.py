@@ -33,10 +33,15 @@ BENCH = {"model": "random Qwen3.5-style 0.5b", "weight_dtype": "float32", "prefi
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("lessons"))
+
+
+@pytest.fixture(scope="module")
+def client(ckpt):
     from fastapi.testclient import TestClient
 
-    app = explorer_app(write_checkpoint(tmp_path_factory.mktemp("lessons")))
+    app = explorer_app(ckpt)
     with TestClient(app) as c:
         c.app_ref = app
         yield c
@@ -59,12 +64,22 @@ def hooked(module, out: list, output: bool):
 def test_kda_and_mamba2_decays_are_transformers_gates(tmp_path):
     """Per head and layer, the mean log decay over the prompt (KDA: over channels too) equals the one
     transformers' model applies: KDA's forget_gate output, Mamba-2's dt * A from its mixer's input."""
-    from kvstate.models.loader import load_model
     from tests.models.test_kimi_linear import make as tiny_kimi
     from tests.models.test_mamba2 import tiny as tiny_mamba2
 
     ids = torch.randint(3, 90, (23,), generator=torch.Generator().manual_seed(0)).tolist()
-    for name, hf in (("kda", tiny_kimi("groups-first2dense")), ("mamba2", tiny_mamba2())):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: no OpenMP oversubscription on a shared machine
+    try:
+        check_decays(tmp_path, ids, [("kda", tiny_kimi("groups-first2dense")), ("mamba2", tiny_mamba2())])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_decays(tmp_path, ids, models):
+    from kvstate.models.loader import load_model
+
+    for name, hf in models:
         hf.save_pretrained(tmp_path / name)
         model, _ = load_model(tmp_path / name)
         ours = eg.decays(model, ids)
@@ -135,10 +150,10 @@ def test_scale_upload_and_a_run_started_from_the_page(client):
     assert r["run"] == {"status": "failed", "error": "no model here"} and r["scenario"] == scenario(fast)
 
 
-def test_a_bench_run_does_not_outlive_the_server(tmp_path):
+def test_a_bench_run_does_not_outlive_the_server(ckpt):
     from fastapi.testclient import TestClient
 
-    app = explorer_app(write_checkpoint(tmp_path))
+    app = explorer_app(ckpt)
     app.state.explorer_bench_command = [sys.executable, "-c", "import time; time.sleep(600)"]
     with TestClient(app) as c:
         assert c.post("/explorer/api/scale/run").json()["run"]["status"] == "running"
@@ -192,7 +207,7 @@ def eg_max() -> int:
     return MAX_PROMPT_TOKENS
 
 
-def test_serve_refuses_aread_bench_json_it_cannot_use(tmp_path, capsys):
+def test_serve_refuses_a_bench_json_it_cannot_use(tmp_path, capsys):
     from kvstate.cli import main
 
     bad = tmp_path / "bench.json"
