@@ -54,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
+    parser.add_argument("--bench-json", default=None, metavar="FILE",
+                        help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
+                             "timeline at real scale (the page can also run the bench or take an upload)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: warning)")
 
@@ -126,6 +129,7 @@ def _app(args: argparse.Namespace, model):
     except ImportError:  # the explorer's API is optional: the OpenAI routes serve without it
         pass
     spec = speculative_config(args)  # a bad flag fails before the weights load
+    bench = read_bench_json(args.bench_json) if args.bench_json else None
     path = resolve_checkpoint(model)
     with load_progress(make_console(stderr=True)) as progress:
         llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
@@ -137,4 +141,23 @@ def _app(args: argparse.Namespace, model):
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given
         name = Path(model).resolve().name if Path(str(model)).exists() else str(model)
-    return create_app(llm, model_name=name, routers=routers)
+    app = create_app(llm, model_name=name, routers=routers)
+    app.state.explorer_bench = bench
+    return app
+
+
+def read_bench_json(path: str) -> dict:
+    """A saved bench result the explorer can use; one line when it is not one."""
+    import json
+
+    from kvstate.server.explorer_scale import scenario
+
+    try:
+        bench = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise KvstateError(f"--bench-json {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        scenario(bench)
+    except KvstateError as exc:
+        raise KvstateError(f"--bench-json {path}: {exc}") from None
+    return bench

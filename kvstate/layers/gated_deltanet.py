@@ -67,6 +67,21 @@ class GatedDeltaNet(nn.Module):
         return cls(hidden_size, spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim,
                    spec.conv_kernel, eps=opts.norm_eps, **opts.for_mixer("gated_deltanet"))
 
+    def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) [T, HV] from in_proj_a(x), in_proj_b(x): g = log of the state's decay (<= 0)."""
+        gates = kdecode.gdn_gates(a, b, self.A_log, self.dt_bias)
+        if gates is not None:
+            return gates
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, beta
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g [T, HV] for the layer's input x [T, hidden]: the state decays by exp(g) per token, per
+        value head (the gate the forward applies; for views such as the explorer's memory horizons)."""
+        a, b = project(x, self.in_proj_a, self.in_proj_b)
+        return self.gates(a, b)[0]
+
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
         qkv, z, b, a = project(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)  # one call if fused
@@ -88,12 +103,7 @@ class GatedDeltaNet(nn.Module):
                 return self.out_proj(o)
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        gates = kdecode.gdn_gates(a, b, self.A_log, self.dt_bias)
-        if gates is not None:
-            g, beta = gates
-        else:
-            beta = torch.sigmoid(b.float())  # [T, HV]
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, HV]
+        g, beta = self.gates(a, b)
         tokens = dict(q=q.view(t, self.num_k_heads, self.head_k_dim), k=k.view(t, self.num_k_heads, self.head_k_dim),
                       v=v.view(t, self.num_v_heads, self.head_v_dim), g=g, beta=beta)
         o = recur(OPS, cache.state, batch, tokens, use_qk_l2norm_in_kernel=True)  # [T, HV, V]; state [HV, K, V]

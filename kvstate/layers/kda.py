@@ -48,13 +48,22 @@ class KimiDeltaAttention(nn.Module):
         return cls(hidden_size, spec.num_heads, spec.head_dim, spec.conv_kernel, eps=opts.norm_eps,
                    **opts.for_mixer("kda"))
 
+    def decay_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay g [T, H, D] (<= 0) from the low-rank forget gate's f_a_proj(x) [T, D]."""
+        gate_in = self.f_b_proj(f_a).float() + self.dt_bias.float()  # [T, HD]
+        return -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(-1, self.num_heads, self.head_dim))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """g [T, H, D] for the layer's input x [T, hidden]: each key channel of each head's state
+        decays by exp(g) per token (KDA's decay is per channel, not per head)."""
+        return self.decay_gate(self.f_a_proj(x))
+
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv, f_a, b, g_a = project(x, self.qkv_proj, self.f_a_proj, self.b_proj, self.g_a_proj)  # one call if fused
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, 3HD]
         q, k, v = (part.view(t, h, d) for part in qkv.split(self.dim, dim=-1))
-        gate_in = self.f_b_proj(f_a).float() + self.dt_bias.float()  # [T, HD]
-        g = -self.A_log.float().exp()[:, None] * F.softplus(gate_in.view(t, h, d))  # [T, H, D], <= 0
+        g = self.decay_gate(f_a)  # [T, H, D]
         beta = torch.sigmoid(b.float())  # [T, H]
         o = recur(OPS, cache.state, batch, dict(q=q, k=k, v=v, g=g, beta=beta),
                   use_qk_l2norm_in_kernel=True)  # [T, H, D]; state [H, D, D]

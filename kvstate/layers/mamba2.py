@@ -23,6 +23,7 @@ from torch import nn
 from kvstate.layers.norm import GatedRMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_ssd, recurrent_ssd
+from kvstate.ops.ssd import discretize
 
 NO_LIMIT = (0.0, math.inf)
 OPS = RecurrentOps(chunk_ssd, recurrent_ssd)
@@ -56,6 +57,12 @@ class Mamba2(nn.Module):
         """opts.for_mixer("mamba2") may hold bias, conv_bias, dt_limit, act, chunk_size."""
         return cls(hidden_size, spec.num_heads, spec.head_dim, spec.d_state, spec.n_groups, spec.conv_kernel,
                    eps=opts.norm_eps, **opts.for_mixer("mamba2"))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """dt * A [T, H] (<= 0) for the layer's input x [T, hidden]: each head's state decays by its exp
+        per token, with dt transformed as the prefill scan does it (bias, softplus, dt_limit)."""
+        dt = self.in_proj(x)[:, -self.num_heads:]  # [T, H]
+        return discretize(dt, dt, -self.A_log.float().exp(), self.dt_bias, True, self.dt_limit)[1]
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]

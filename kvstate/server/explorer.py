@@ -13,6 +13,10 @@ Routes under /explorer/api (kept out of the OpenAPI schema: they serve the page,
                     (the engine's own steps) and without (the whole prefix recomputed each step)
     POST recall     {"task": "needle"|"phonebook", "size": n, "seed": s}: candidates' probabilities
 
+Spec 002's lessons (the decay slider and the model's own horizons, recall side by side, the
+real-scale prefill/decode timeline, cache on/off in time) live in `explorer_lessons`, whose routes
+this router includes (decay, gates, compare, scale, scale/run, cache/time).
+
 The router's lifespan hangs a `StepRecorder` on the app's engine loop (`step_observers`), so the
 timeline starts with the server. Every bad input is a 400 with the server's error JSON.
 """
@@ -184,3 +188,9 @@ async def recall(body: RecallRun, request: Request):
         raise _bad(exc) from None
     return {"task": body.task, "size": body.size, "seed": body.seed, "prompt": prompt, "answer": answer,
             "prompt_tokens": prompt_tokens, "candidates": rows}
+
+
+# spec 002's lessons (decay slider and gates, recall side by side, real-scale timing, cache time)
+from kvstate.server.explorer_lessons import router as _lessons  # noqa: E402 (after this router's own routes)
+
+router.include_router(_lessons)

@@ -52,6 +52,33 @@ def prefix_snapshots(core, limit: int = 64) -> list[dict]:
     return sorted(rows, key=lambda r: -r["last_used"])[:limit]
 
 
+POOL_DIMS = {("k", None): "num_blocks, block_size, kv_heads, head_dim",
+             ("v", None): "num_blocks, block_size, kv_heads, head_dim",
+             ("latent", None): "num_blocks, block_size, latent_dim",
+             ("state", "gated_deltanet"): "num_slots, heads, k_dim, v_dim",
+             ("state", "kda"): "num_slots, heads, k_dim, v_dim",
+             ("state", "mamba2"): "num_slots, heads, d_state, head_dim",
+             ("state", "mamba1"): "num_slots, d_inner, d_state",
+             ("conv", None): "num_slots, conv_dim, window"}
+
+
+def pool_tensors(core) -> list[dict]:
+    """The real pool tensors of the first attention layer and the first linear layer: name, layer,
+    shape and dtype (a KV block pool is indexed by block id and position in the block, not a dict)."""
+    spec = getattr(core.runner, "cache_spec", None)  # a stand-in core (tests) may have neither spec nor pools
+    kinds = {e.layer: e.kind for e in spec.entries} if spec is not None else {}
+    out = []
+    for key in ("k", "v", "latent", "state", "conv"):
+        for layer, cache in enumerate(getattr(core.runner, "caches", None) or []):
+            t = getattr(cache, key, None)
+            if t is not None:
+                dims = POOL_DIMS.get((key, kinds.get(layer)), POOL_DIMS.get((key, None), ""))
+                out.append({"name": key, "layer": layer, "kind": kinds.get(layer), "shape": list(t.shape),
+                            "dims": dims, "dtype": str(t.dtype).removeprefix("torch.")})
+                break
+    return out
+
+
 class StepRecorder:
     def __init__(self, *, max_steps: int = 400, max_finished: int = 8, max_requests: int = 256):
         self.steps: deque[dict] = deque(maxlen=max_steps)
@@ -89,7 +116,7 @@ class StepRecorder:
             entries.append({"id": rid, "tokens": n, "mode": mode})
             self._last_seen[rid] = _request_row(seq, ctx + n, table, slot, "running")  # blocks before release
             self._last_seen.move_to_end(rid)
-            record = {"step": index, "computed": n, "context": ctx, "mode": mode}
+            record = {"step": index, "computed": n, "context": ctx, "mode": mode, "ms": seconds * 1e3}
             self.history.setdefault(rid, []).append(record)
             self.history.move_to_end(rid)
         for seen in (self.history, self._last_seen):  # bounded: requests failed outside a step never finish here
@@ -117,7 +144,8 @@ class StepRecorder:
                 "max_model_len": core.max_model_len, "requests": running + waiting,
                 "finished": list(self.finished), "num_steps": self.num_steps,
                 "step_totals": {k: dict(v) for k, v in self.totals.items()}, "snapshots": prefix_snapshots(core),
-                "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS}}
+                "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS},
+                "pool_tensors": pool_tensors(core)}
 
     # -- on any thread ----------------------------------------------------------------------------
     def timeline(self, since: int = -1) -> list[dict]:

@@ -54,11 +54,15 @@ def example(task: str, size: int, seed: int = 0, depth: float | None = None) -> 
 
 def score(model, tokenizer, prompt: str, candidates: list[str], max_len: int) -> tuple[int, list[dict]]:
     """(prompt tokens, [{text, tokens, logprob, prob, share}]) from one packed forward."""
+    return score_ids(model, tokenizer, tokenizer.encode(prompt), candidates, max_len)
+
+
+def score_ids(model, tokenizer, prompt_ids: list[int], candidates: list[str], max_len: int) -> tuple[int, list[dict]]:
+    """`score` of a prompt already in token ids (e.g. in a checkpoint's chat format)."""
     import torch
 
     from kvstate.models.generate import forward_logits
 
-    prompt_ids = tokenizer.encode(prompt)
     cand_ids = [tokenizer.encode(c, add_special_tokens=False) for c in candidates]
     longest = len(prompt_ids) + max(len(c) for c in cand_ids)
     if longest > max_len:

@@ -55,6 +55,7 @@ function drawEngine() {
   document.getElementById("snapshots").replaceChildren(...(snaps.length ? [el("h3", {},
     "Prefix snapshots (state at a prefix end, in a spare slot)"), ...snaps] : []));
   const counters = Object.entries(v.counters).map(([k, val]) => `${k} ${val}`).join(" · ");
+  drawPoolTensors(v);
   document.getElementById("counters").textContent =
     `${v.num_steps} steps · max_model_len ${fmtInt(v.max_model_len)}` + (counters ? ` · ${counters}` : "");
 }
