@@ -169,13 +169,15 @@ class EngineCore:
         return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
+                    group=None) -> None:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
-        by the next step as finished with an error."""
+        by the next step as finished with an error. `group`: the client request it belongs to
+        (the scheduler admits groups in turn); None: its own."""
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params)
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
