@@ -239,11 +239,16 @@ class EngineCore:
         return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes, "state": used_slots * sizes.slot_bytes}
 
     def stats(self) -> dict[str, int]:
-        """Requests and pool occupancy now (what a server's metrics endpoint would report)."""
+        """Requests and pool occupancy now (what a server's metrics endpoint would report). Slots and
+        blocks that only prefix-cache snapshots hold are `*_held`, apart from those requests use."""
         s, sizes = self.scheduler, self.runner.sizes
+        held_slots, held_blocks = s.prefix.cache.held() if s.prefix is not None else (0, 0)
+        blocks = s.blocks.num_used_blocks - held_blocks
+        slots = sizes.num_slots - s.slots.num_free_slots - held_slots
+        held = {"kv_blocks_held": held_blocks, "state_slots_held": held_slots} if s.prefix is not None else {}
         return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": sizes.num_blocks,
-                "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
-                **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()},
+                "kv_blocks_used": blocks, "kv_blocks_total": sizes.num_blocks,
+                "state_slots_used": slots, "state_slots_total": sizes.num_slots, **held,
+                "kv_bytes_in_use": blocks * sizes.block_bytes, "state_bytes_in_use": slots * sizes.slot_bytes,
                 **(s.prefix.cache.report() if s.prefix is not None else {}),
                 **(self.proposer.stats() if self.proposer is not None else {})}

@@ -255,6 +255,12 @@ class PrefixCache:
             self.drop(snap)
 
     # -- reporting ---------------------------------------------------------------------------
+    def held(self) -> tuple[int, int]:
+        """(state slots, KV blocks) that snapshots alone hold: every snapshot's slot, and the partial
+        blocks no running sequence references too."""
+        holders = Counter(s.partial_block for s in self.snapshots.values() if s.partial_block is not None)
+        return len(self.snapshots), sum(1 for b, n in holders.items() if self.blocks.ref_count(b) == n)
+
     def report(self) -> dict:
         s = self.stats
         held = list(self.snapshots.values())
