@@ -20,9 +20,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvstate.server.engine_loop import EngineLoop
 from kvstate.server.gate import Gate, safe_json
@@ -84,13 +84,11 @@ def include_router(app: FastAPI, router) -> None:
     app.router.routes.extend(static)
 
 
-def _allowed_methods(app: FastAPI, path: str) -> set[str]:
-    """The methods of the API routes whose path matches `path` (none: a true 404)."""
-    methods = set()
-    for route in app.router.routes:
-        if isinstance(route, APIRoute) and route.path_regex.match(path):
-            methods |= route.methods
-    return methods
+def _allowed_methods(app: FastAPI, scope) -> set[str]:
+    """The methods an API route (not the static files) takes at this request's path (none: a true 404)."""
+    routes = [r for r in app.router.routes if getattr(r, "name", None) != "static"]
+    return {m for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
+            if any(r.matches({**scope, "method": m})[0] == Match.FULL for r in routes)}
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -113,7 +111,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:  # the static files at / answer every GET: an API path is a 405 there
-            allowed = _allowed_methods(app, request.url.path)
+            allowed = _allowed_methods(app, request.scope)
             if allowed and request.method not in allowed:
                 return SafeJSONResponse(error_body(f"method {request.method} is not allowed here; use "
                                                    f"{', '.join(sorted(allowed))}"), status_code=405,

@@ -5,9 +5,11 @@
 With an API key, /v1/* and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
 OpenAI's error JSON, compared in constant time); /health, /metrics, the explorer's page and the
 OpenAPI document stay open, as vLLM leaves /health and /metrics open. A body declared larger
-than `limits.max_body_bytes` is a 413 before a byte of it is read (the connection then closes);
-one without Content-Length is cut off with a 413 once it grows past the limit. Streams pass
-untouched.
+than `limits.max_body_bytes` is a 413 before any of it is parsed or kept; one without
+Content-Length is cut off with a 413 once it grows past the limit. Either way the rest of the
+body is read and dropped first (up to DRAIN_BYTES; past that the connection just closes): a
+server that closes on unread data makes the kernel reset the connection, and the client may
+never see the 413 it was sent. Streams pass untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ from kvstate.server.limits import ServerLimits
 from kvstate.server.protocol import error_body
 
 PROTECTED = ("/v1/", "/explorer/api/")
+DRAIN_BYTES = 256 << 20  # the most of a refused body read (and dropped) so that the client sees the 413
+
+
+async def _drain(receive, seen: int) -> None:
+    """Read and drop the rest of a request body (`seen` bytes of it read so far), up to DRAIN_BYTES."""
+    while seen <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class BodyTooLarge(HTTPException):
@@ -74,10 +88,11 @@ class Gate:
                     declared = int(value)
                 except ValueError:
                     return await _reply(send, 400, error_body("the Content-Length header is not a number"))
-                if declared > limit:  # answered before reading: the connection closes after the reply
+                if declared > limit:  # dropped unparsed, then answered
+                    await _drain(receive, 0)
                     return await _reply(send, 413, error_body(
                         f"the request body is {declared} bytes, more than {limit} (kvstate serve --max-body-bytes)",
-                        "invalid_request_error", None, "request_too_large"), {"connection": "close"})
+                        "invalid_request_error", None, "request_too_large"))
         seen = 0
 
         async def counted():
@@ -86,6 +101,8 @@ class Gate:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    if message.get("more_body", False):
+                        await _drain(receive, seen)
                     raise BodyTooLarge(limit)
             return message
 
