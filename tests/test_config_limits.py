@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kvstate.cli import main
-from kvstate.config.reader import bundled_names, read_plan
+from kvstate.config.reader import bundled_names
+from kvstate.families import read_plan
 from kvstate.errors import ConfigFieldError
 
 BASE = {"model_type": "qwen3_5_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
