@@ -89,7 +89,8 @@ class Gate:
                 except ValueError:
                     return await _reply(send, 400, error_body("the Content-Length header is not a number"))
                 if declared > limit:  # dropped unparsed, then answered
-                    await _drain(receive, 0)
+                    if (b"expect", b"100-continue") not in scope.get("headers", ()):
+                        await _drain(receive, 0)  # (a client waiting for 100 Continue has sent none of it)
                     return await _reply(send, 413, error_body(
                         f"the request body is {declared} bytes, more than {limit} (kvstate serve --max-body-bytes)",
                         "invalid_request_error", None, "request_too_large"))
