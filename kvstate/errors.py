@@ -3,3 +3,11 @@
 
 class KvstateError(ValueError):
     """Bad input from the user: a file, a field, an argument. Printed without a traceback."""
+
+
+class ConfigFieldError(KvstateError):
+    """A config.json field that is missing, mistyped or out of range; `field` is its dotted name."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field

@@ -2,14 +2,18 @@
 server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) and the cache
 explorer at `/`, over one engine stepped by one background loop.
 
-Loopback by default: the server has no authentication, so exposing it is an explicit --host.
-The port is bound before the model loads, so a busy port is one line at once; --port 0 takes any
-free port (the URL line on stderr says which).
+Loopback by default; exposing it is an explicit --host, best with --api-key (or KVSTATE_API_KEY):
+then /v1 and the explorer's API need `Authorization: Bearer KEY` (/health and /metrics stay open).
+What one request may ask is bounded (--max-body-bytes, --max-prompt-chars,
+--max-sequences-per-request; see kvstate.server.limits). The port is bound before the model
+loads, so a busy port is one line at once; --port 0 takes any free port (the URL line on stderr
+says which).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -17,6 +21,7 @@ from pathlib import Path
 from kvstate.terminal.arg_types import count_arg, seed_arg
 from kvstate.terminal.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
 from kvstate.errors import KvstateError
+from kvstate.server.limits import CHARS_PER_TOKEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
 
@@ -36,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face "
                              "hub id, or a shipped model's name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: 127.0.0.1, this machine only; the server has no auth)")
+                        help="address to listen on (default: 127.0.0.1, this machine only; elsewhere, set --api-key)")
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the --model argument's last path part)")
@@ -57,6 +62,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-json", default=None, metavar="FILE",
                         help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
                              "timeline at real scale (the page can also run the bench or take an upload)")
+    limits = parser.add_argument_group("limits and access (what one client may ask)")
+    limits.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 and the explorer's API (401 without it; "
+                             "/health and /metrics stay open; the explorer page takes it as ?key=KEY) "
+                             "(default: $KVSTATE_API_KEY, else none)")
+    limits.add_argument("--max-body-bytes", type=count_arg, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help=f"largest request body; larger is a 413 before it is read (default: {DEFAULT_MAX_BODY_BYTES}, "
+                             f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
+    limits.add_argument("--max-prompt-chars", type=count_arg, default=None, metavar="N",
+                        help=f"longest prompt text (a chat: its messages together); longer is a 400 before "
+                             f"tokenizing (default: {CHARS_PER_TOKEN} x --max-model-len)")
+    limits.add_argument("--max-sequences-per-request", type=count_arg, default=DEFAULT_MAX_SEQUENCES, metavar="N",
+                        help=f"most prompts x n in one request (each is one engine request; requests are "
+                             f"admitted in turn, so a large one cannot starve the others) (default: {DEFAULT_MAX_SEQUENCES})")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: warning)")
 
@@ -120,6 +139,7 @@ def _app(args: argparse.Namespace, model):
     from kvstate.llm import LLM
     from kvstate.hub import resolve_checkpoint
     from kvstate.server.app import create_app
+    from kvstate.server.limits import ServerLimits
 
     routers = []
     try:
@@ -141,7 +161,10 @@ def _app(args: argparse.Namespace, model):
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given
         name = Path(model).resolve().name if Path(str(model)).exists() else str(model)
-    app = create_app(llm, model_name=name, routers=routers)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                          max_sequences=args.max_sequences_per_request)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVSTATE_API_KEY") or None
+    app = create_app(llm, model_name=name, routers=routers, limits=limits, api_key=api_key)
     app.state.explorer_bench = bench
     return app
 

@@ -7,6 +7,8 @@ Getters take several names where exports spell a field differently (Nemotron-H's
 `ssm_state_size | mamba_state_dim | mamba_d_state`); the first present one wins. A field the
 config leaves out is read with transformers' default for its model_type (kvstate.config.defaults)
 before any default the caller gives: a config transformers loads is read the same way.
+Sizes no real model has are refused by name before anything is built from them (`most`): a
+config with 10**12 layers or a 10**30 head size is one error line, not an hour of planning.
 """
 
 from __future__ import annotations
@@ -15,9 +17,22 @@ from typing import Any, Mapping
 
 from kvstate.config.defaults import defaults_for, sub_config_type
 from kvstate.config.dtypes import canonical_dtype, known_dtypes
-from kvstate.errors import KvstateError
+from kvstate.errors import ConfigFieldError
 
 _MISSING: Any = object()
+# the largest value a field may take, by a word in its name (first match); anything else: OTHER_MOST.
+# Far past every published model (layers <= ~130, vocab <= ~260K, hidden <= ~25K, windows <= 10M):
+# the bound keeps the planner's per-layer work and its figures finite, not a judgment of the model.
+MOST = (("layer", 4096), ("vocab", 1 << 23), ("position", 1 << 28), ("window", 1 << 28), ("context", 1 << 28),
+        ("seq_len", 1 << 28))
+OTHER_MOST = 1 << 20  # widths, heads, head sizes, experts, kernel and chunk sizes
+MOST_ENTRIES = 4096  # a list or string of per-layer entries (layer_types, hybrid_override_pattern)
+
+
+def most(name: str) -> int:
+    """The largest value the integer field `name` may take (see MOST)."""
+    low = name.lower()
+    return next((bound for word, bound in MOST if word in low), OTHER_MOST)
 
 
 class ConfigView:
@@ -32,11 +47,11 @@ class ConfigView:
         self.defaults = defaults_for(data.get("model_type")) if defaults is None else defaults
 
     # -- errors ---------------------------------------------------------------------------
-    def error(self, names: str | tuple[str, ...], message: str) -> KvstateError:
+    def error(self, names: str | tuple[str, ...], message: str) -> ConfigFieldError:
         if isinstance(names, str):
             names = (names,)
         shown = " | ".join(f"{self.prefix}{n}" for n in names)
-        return KvstateError(f"{self.source}: field '{shown}': {message}")
+        return ConfigFieldError(f"{self.source}: field '{shown}': {message}", f"{self.prefix}{names[0]}")
 
     # -- lookups --------------------------------------------------------------------------
     def has(self, *names: str) -> bool:
@@ -74,6 +89,8 @@ class ConfigView:
         if value < minimum:
             want = "positive" if minimum == 1 else f">= {minimum}"
             raise self.error(where, f"must be {want}, got {value}")
+        if value > most(where[0]):
+            raise self.error(where, f"must be at most {most(where[0])} (no real model is that large), got {value}")
         return value
 
     def bool(self, *names: str, default: Any = _MISSING) -> bool:
@@ -86,6 +103,8 @@ class ConfigView:
         value = self.raw(*names, default=default)
         if not isinstance(value, str):
             raise self.error(self._which(names), f"must be a string, got {value!r}")
+        if len(value) > MOST_ENTRIES:
+            raise self.error(self._which(names), f"must be at most {MOST_ENTRIES} characters, got {len(value)}")
         return value
 
     def list(self, *names: str, default: Any = _MISSING) -> list:
@@ -94,6 +113,8 @@ class ConfigView:
             return value
         if not isinstance(value, list):
             raise self.error(self._which(names), f"must be a list, got {type(value).__name__}")
+        if len(value) > MOST_ENTRIES:
+            raise self.error(self._which(names), f"must have at most {MOST_ENTRIES} entries, got {len(value)}")
         return value
 
     def int_list(self, *names: str, minimum: int = 0) -> list[int]:

@@ -9,7 +9,8 @@ which ids a sequence owns. One block id or slot id indexes every layer's pool.
   drops one reference per block. `share` adds a reference to blocks in use, so sequences can
   read the same full blocks; a block returns to the free list when its count reaches 0.
   With prefix caching, a full block's content is registered under the hash chain of its tokens
-  (`register`); when its count reaches 0 it stays readable in an LRU of evictable blocks until
+  (`register`, with the content itself: `lookup` given the content it expects compares it, so a
+  key collision never hands out another prompt's KV); when its count reaches 0 it stays readable in an LRU of evictable blocks until
   `allocate` needs it (`on_evict` is told), and `lookup` + `share` revive it. `copy_block` queues a
   KV block copy (copy-on-write of a partial block), carried out by the runner like slot copies.
 - `SlotManager`: free state slots, one per running sequence. `copy_slot` reserves a spare slot
@@ -48,6 +49,7 @@ class BlockManager:
         # prefix caching: content hash of full blocks, hash -> block, unreferenced cached blocks (LRU first)
         self._hash: dict[int, int] = {}  # block -> hash
         self._by_hash: dict[int, int] = {}  # hash -> block
+        self._content: dict[int, object] = {}  # block -> what it holds (parent key, tokens), when registered with it
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.on_evict: Callable[[int, int], None] | None = None  # (block, hash) when a cached block is reused
         self._copies: list[tuple[int, int]] = []
@@ -97,6 +99,7 @@ class BlockManager:
                 b, _ = self._evictable.popitem(last=False)
                 h = self._hash.pop(b)
                 del self._by_hash[h]
+                self._content.pop(b, None)
                 if self.on_evict is not None:
                     self.on_evict(b, h)
             self._refs[b] = 1
@@ -133,19 +136,26 @@ class BlockManager:
         table.clear()
 
     # content addressing (prefix caching) ---------------------------------------------------
-    def register(self, block_id: int, block_hash: int) -> bool:
-        """Record that referenced block `block_id` holds the full block of hash chain `block_hash`.
-        False (nothing changes) when that content is already registered or the block has a hash."""
+    def register(self, block_id: int, block_hash, content=None) -> bool:
+        """Record that referenced block `block_id` holds the full block of hash chain `block_hash`
+        (`content`: what it holds, compared by `lookup`). False (nothing changes) when that key is
+        already registered or the block has a key."""
         if self._refs[block_id] < 1:
             raise CacheAccountingError(f"cannot register KV block {block_id}: it is free")
         if block_hash in self._by_hash or block_id in self._hash:
             return False
         self._hash[block_id], self._by_hash[block_hash] = block_hash, block_id
+        if content is not None:
+            self._content[block_id] = content
         return True
 
-    def lookup(self, block_hash: int) -> int | None:
-        """The block registered under `block_hash`, or None."""
-        return self._by_hash.get(block_hash)
+    def lookup(self, block_hash, content=None) -> int | None:
+        """The block registered under `block_hash`, or None; with `content`, None also when the block
+        was registered holding something else (a key collision)."""
+        b = self._by_hash.get(block_hash)
+        if b is not None and content is not None and self._content.get(b, content) != content:
+            return None
+        return b
 
     def num_evictable_among(self, block_ids: list[int]) -> int:
         """How many of `block_ids` are cached but unreferenced (sharing them takes them off the free count)."""

@@ -169,13 +169,15 @@ class EngineCore:
         return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
 
     # -- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
+                    group=None) -> None:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
-        by the next step as finished with an error."""
+        by the next step as finished with an error. `group`: the client request it belongs to
+        (the scheduler admits groups in turn); None: its own."""
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params)
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
@@ -237,11 +239,16 @@ class EngineCore:
         return {"kv": self.scheduler.blocks.num_used_blocks * sizes.block_bytes, "state": used_slots * sizes.slot_bytes}
 
     def stats(self) -> dict[str, int]:
-        """Requests and pool occupancy now (what a server's metrics endpoint would report)."""
+        """Requests and pool occupancy now (what a server's metrics endpoint would report). Slots and
+        blocks that only prefix-cache snapshots hold are `*_held`, apart from those requests use."""
         s, sizes = self.scheduler, self.runner.sizes
+        held_slots, held_blocks = s.prefix.cache.held() if s.prefix is not None else (0, 0)
+        blocks = s.blocks.num_used_blocks - held_blocks
+        slots = sizes.num_slots - s.slots.num_free_slots - held_slots
+        held = {"kv_blocks_held": held_blocks, "state_slots_held": held_slots} if s.prefix is not None else {}
         return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "kv_blocks_used": s.blocks.num_used_blocks, "kv_blocks_total": sizes.num_blocks,
-                "state_slots_used": sizes.num_slots - s.slots.num_free_slots, "state_slots_total": sizes.num_slots,
-                **{f"{k}_bytes_in_use": v for k, v in self.cache_bytes_in_use().items()},
+                "kv_blocks_used": blocks, "kv_blocks_total": sizes.num_blocks,
+                "state_slots_used": slots, "state_slots_total": sizes.num_slots, **held,
+                "kv_bytes_in_use": blocks * sizes.block_bytes, "state_bytes_in_use": slots * sizes.slot_bytes,
                 **(s.prefix.cache.report() if s.prefix is not None else {}),
                 **(self.proposer.stats() if self.proposer is not None else {})}

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from kvstate.engine.prefix_cache import PrefixCache, Snapshot, block_hashes
+from kvstate.engine.prefix_cache import PrefixCache, Snapshot, block_content, block_hashes
 from kvstate.engine.sequence import Sequence
 
 
@@ -26,7 +26,7 @@ class PrefixHooks:
     def __init__(self, cache: PrefixCache, *, interval: int | None) -> None:
         self.cache, self.interval = cache, interval
         self.blocks, self.slots, self.bs = cache.blocks, cache.slots, cache.blocks.block_size
-        self._chains: dict[Sequence, list[int]] = {}  # hash chain of the sequence's full blocks so far
+        self._chains: dict[Sequence, list[bytes]] = {}  # key chain of the sequence's full blocks so far
         self._registered: dict[Sequence, int] = {}  # leading blocks of its table registered
         self._branch: dict[Sequence, int] = {}  # position where its cached blocks end (a snapshot there)
 
@@ -117,8 +117,9 @@ class PrefixHooks:
         tokens = seq.token_ids(0, p)
         chain = self._chain(seq, tokens)
         for i in range(0 if snapshot else self._registered.get(seq, 0), p // self.bs):
-            if not snapshot or self.blocks.lookup(chain[i]) is None:
-                if self.blocks.register(seq.block_table[i], chain[i]):
+            content = block_content(tokens, chain, i, self.bs)
+            if not snapshot or self.blocks.lookup(chain[i], content) is None:
+                if self.blocks.register(seq.block_table[i], chain[i], content):
                     self.cache.note_block(chain[i - 1] if i else 0, chain[i],
                                           tuple(tokens[i * self.bs:(i + 1) * self.bs]))
         self._registered[seq] = p // self.bs

@@ -4,7 +4,11 @@ A linear layer's state folds all history into one matrix, so a shared prefix can
 where a copy of the state at its last token was kept. Two things make a prefix reusable:
 
 - **KV blocks**: every full block a sequence computes is registered in the `BlockManager` under the
-  hash chain of its tokens (`block_hashes`); freed, it stays cached until the LRU needs it.
+  hash chain of its tokens (`block_hashes`); freed, it stays cached until the LRU needs it. A key is
+  sha256 over the parent key and the token ids, the chain rooted in a random per-process seed (as
+  vLLM after GHSA-rm76-4mrf-v9r8: Python's hash of ints and tuples is unsalted and can be steered
+  into collisions), and a block is shared only when its stored tokens (and parent key) are the
+  ones asked for; a snapshot only when its stored prefix tokens are.
 - **Snapshots**: a copy of every linear layer's recurrent + conv state at token position `p`, held
   in a spare state slot and keyed by the tokens up to `p` (hash chain of the full blocks before `p`
   plus the tail tokens). Any `p` works: the KV of a partial last block is kept by holding a
@@ -31,6 +35,9 @@ tokens served from the cache was LRU 0.55, Marconi 0.615, Marconi with this rule
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,16 +45,26 @@ from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.errors import KvstateError
 
 POLICIES = ("marconi", "lru")
+ROOT_KEY = secrets.token_bytes(32)  # the chain's root: keys cannot be computed outside this process
 
 
-def block_hashes(tokens: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
-    """The hash chain of the full blocks of `tokens`: h_i = hash((h_{i-1}, block i's tokens)).
-    `start`, a chain already computed for a prefix of `tokens`, is extended (not copied)."""
+def block_key(parent: bytes, tokens) -> bytes:
+    """The key of a full block: sha256 of its parent's key and its token ids (int64 each)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def block_hashes(tokens: list[int], block_size: int, start: list | None = None) -> list[bytes]:
+    """The key chain of the full blocks of `tokens`: h_i = block_key(h_{i-1}, block i's tokens), h_-1 =
+    ROOT_KEY. `start`, a chain already computed for a prefix of `tokens`, is extended (not copied)."""
     chain = [] if start is None else start
     for i in range(len(chain), len(tokens) // block_size):
-        parent = chain[-1] if chain else 0
-        chain.append(hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]))))
+        chain.append(block_key(chain[-1] if chain else ROOT_KEY, tokens[i * block_size:(i + 1) * block_size]))
     return chain
+
+
+def block_content(tokens, chain: list, i: int, block_size: int) -> tuple:
+    """What block i of `tokens` holds, as the block manager stores it: (parent key, its tokens)."""
+    return chain[i - 1] if i else ROOT_KEY, tuple(tokens[i * block_size:(i + 1) * block_size])
 
 
 def snapshot_key(tokens: list[int], p: int, chain: list[int], block_size: int) -> tuple:
@@ -104,14 +121,16 @@ class PrefixCache:
             if p >= len(tokens):
                 continue
             snap = self.snapshots.get(snapshot_key(tokens, p, chain, self.block_size))
-            if snap is not None and all(self.blocks.lookup(h) is not None for h in snap.chain):
+            if snap is not None and snap.tokens == tuple(tokens[:p]) and all(
+                    self.blocks.lookup(h, block_content(tokens, chain, i, self.block_size)) is not None
+                    for i, h in enumerate(snap.chain)):
                 return snap
         return None
 
-    def cached_blocks(self, chain: list[int]) -> int:
-        """How many leading blocks of `chain` are cached (where a new prompt branches off earlier ones)."""
+    def cached_blocks(self, chain: list, tokens: list[int]) -> int:
+        """How many leading blocks of `chain` (the chain of `tokens`) are cached holding those tokens."""
         n = 0
-        while n < len(chain) and self.blocks.lookup(chain[n]) is not None:
+        while n < len(chain) and self.blocks.lookup(chain[n], block_content(tokens, chain, n, self.block_size)) is not None:
             n += 1
         return n
 
@@ -123,7 +142,7 @@ class PrefixCache:
     def branch_point(self, tokens: list[int], chain: list[int]) -> int:
         """Where `tokens` leave what is cached: the end of its cached leading blocks plus the longest
         run of its next tokens that a cached block after them starts with (token-granular)."""
-        n, bs = self.cached_blocks(chain), self.block_size
+        n, bs = self.cached_blocks(chain, tokens), self.block_size
         tail = tokens[n * bs:(n + 1) * bs]
         best = 0
         for h, block in self._children.get(chain[n - 1] if n else 0, {}).items():
@@ -146,8 +165,9 @@ class PrefixCache:
             return False
         snap = self.snapshots.get(snapshot_key(tokens, p, chain, self.block_size))
         if snap is not None:
-            snap.last_used = now
-            return False
+            if snap.tokens == tuple(tokens[:p]):
+                snap.last_used = now
+            return False  # held, or its key taken by other tokens (a collision): none is taken
         return True
 
     def add(self, tokens: list[int], p: int, chain: list[int], table: list[int], slot: int, now: float) -> Snapshot:
@@ -235,6 +255,12 @@ class PrefixCache:
             self.drop(snap)
 
     # -- reporting ---------------------------------------------------------------------------
+    def held(self) -> tuple[int, int]:
+        """(state slots, KV blocks) that snapshots alone hold: every snapshot's slot, and the partial
+        blocks no running sequence references too."""
+        holders = Counter(s.partial_block for s in self.snapshots.values() if s.partial_block is not None)
+        return len(self.snapshots), sum(1 for b, n in holders.items() if self.blocks.ref_count(b) == n)
+
     def report(self) -> dict:
         s = self.stats
         held = list(self.snapshots.values())

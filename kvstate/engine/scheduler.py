@@ -14,10 +14,12 @@ spends a budget of `max_num_batched_tokens` tokens in this order:
    oldest first, as many tokens as the budget allows, cut down to the KV blocks still free. If
    not one token fits, newer unscheduled sequences are preempted; if there are none it waits
    (keeping its cache) for a later step.
-3. **Admissions**, first come first served, only if nothing was preempted this step: the head
-   of the queue starts when a state slot is free, fewer than `max_num_seqs` run, and the free
-   blocks hold its first chunk (min(prompt, budget left)); otherwise admission stops (no
-   overtaking, so long prompts are not starved).
+3. **Admissions**, only if nothing was preempted this step: the head of the queue starts when a
+   state slot is free, fewer than `max_num_seqs` run, and the free blocks hold its first chunk
+   (min(prompt, budget left)); otherwise admission stops (no overtaking, so long prompts are not
+   starved). The queue (`FairQueue`) takes request groups in turn: one sequence of each client
+   request (`add(..., group=)`) at a time, so one request's many prompts and samples cannot starve
+   a request sent after it; requests without a group are first come first served.
 
 A preempted sequence gives back its blocks and slot, goes to the front of the queue, and is
 later recomputed from scratch (prompt + outputs so far; its linear-layer state cannot be cut).
@@ -37,12 +39,12 @@ state-slot copies.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.engine.detokenizer import IncrementalDetokenizer
+from kvstate.engine.fair_queue import FairQueue
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.request_check import check_request
 from kvstate.engine.scheduler_output import SchedulerOutput
@@ -89,7 +91,7 @@ class Scheduler:
         self.slots = SlotManager(config.num_slots)
         self.detokenize = detokenize  # token ids -> text: output text and stop strings
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()  # new requests by group in turn, preempted ones first
         self.running: list[Sequence] = []  # admission order, oldest first
         self._live: dict[object, Sequence] = {}  # request id -> waiting or running sequence
         self._outbox: list[Sequence] = []  # finished or rejected since the last postprocess
@@ -109,13 +111,14 @@ class Scheduler:
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
-            arrival_time: float | None = None) -> Sequence:
-        """Queue a request. A malformed one comes back REJECTED with `error` set (no exception)."""
+            arrival_time: float | None = None, group=None) -> Sequence:
+        """Queue a request. A malformed one comes back REJECTED with `error` set (no exception).
+        `group`: the client request it belongs to (admission takes groups in turn); None: its own."""
         now = self.clock() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
         tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
                                       in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
-        seq = Sequence(request_id, tokens, params, arrival_time=now)
+        seq = Sequence(request_id, tokens, params, arrival_time=now, group=group)
         if error is not None:
             seq.status, seq.finish_reason, seq.error, seq.finished_time = SequenceStatus.REJECTED, "error", error, now
             self._outbox.append(seq)

@@ -31,6 +31,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
+    group: object = None  # the client request it belongs to: admission takes groups in turn (fair_queue)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV and state are in the cache

@@ -7,7 +7,9 @@ its own shard; the workers (`worker_loop`) receive the same data and run theirs,
 collectives inside the forward meet. The logits come back whole on rank 0 (vocab all-gather).
 
 `spawn_workers` starts ranks 1..N-1 as torch.multiprocessing "spawn" processes joined through
-gloo on a free 127.0.0.1 port; under torchrun (`from_torchrun`) the launcher started them. A
+gloo on a free 127.0.0.1 port (a spawned process imports the user's script again: one that starts
+TP at its top level, without `if __name__ == "__main__":`, would start ranks from every rank, so
+such a rank exits at once with MAIN_GUARD_EXIT and rank 0 stops with one line naming the fix); under torchrun (`from_torchrun`) the launcher started them. A
 worker whose rank 0 is gone exits (a watchdog on the parent pid); rank 0 checks its workers
 before every step and a collective that loses a peer raises `RankFailure`, so a dead rank stops
 the others with one clear error, never a hang.
@@ -16,6 +18,7 @@ the others with one clear error, never a hang.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -131,10 +134,22 @@ def worker_main(rank: int, size: int, port: int, path: str, weight_dtype, thread
         os._exit(4)  # rank 0 went away mid-step: nothing left to serve
 
 
+MAIN_GUARD_EXIT = 86  # a spawned rank that found itself re-running the user's script's top level
+MAIN_GUARD_MESSAGE = ("kvstate: tensor parallelism starts its ranks as new processes that import your script "
+                      "again; put the code that creates LLM(..., tensor_parallel_size=N) under "
+                      "`if __name__ == \"__main__\":`")
+
+
 def spawn_workers(size: int, path, weight_dtype=None, *, threads: int | None = None,
                   timeout: float = DEFAULT_TIMEOUT) -> tuple[TPGroup, list]:
-    """Start ranks 1..size-1 (spawned processes) and join them as rank 0 -> (group, processes)."""
+    """Start ranks 1..size-1 (spawned processes) and join them as rank 0 -> (group, processes).
+    Run from an unguarded script's top level it stops the program with MAIN_GUARD_MESSAGE
+    (SystemExit: one line, no traceback), as the spawned ranks cannot start."""
+    import multiprocessing
     import torch.multiprocessing as mp
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(MAIN_GUARD_EXIT)  # we are a rank being started, importing the script: quietly out
 
     threads = threads or max(1, torch.get_num_threads() // size)
     torch.set_num_threads(threads)
@@ -147,16 +162,25 @@ def spawn_workers(size: int, path, weight_dtype=None, *, threads: int | None = N
         p.start()
     def check() -> None:
         for rank, proc in enumerate(procs, start=1):
+            if proc.exitcode == MAIN_GUARD_EXIT:
+                raise _Unguarded
             if proc.exitcode is not None:
                 raise RankFailure(f"TP rank {rank} exited while starting (exit code {proc.exitcode})")
 
     try:
         group = TPGroup(0, size, port, timeout=timeout, check=check)
-    except RankFailure:
+    except (RankFailure, _Unguarded) as exc:
         for p in procs:
             p.terminate()
+        if isinstance(exc, _Unguarded):
+            print(MAIN_GUARD_MESSAGE, file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         raise
     return group, procs
+
+
+class _Unguarded(Exception):
+    """A spawned rank exited with MAIN_GUARD_EXIT (internal to spawn_workers)."""
 
 
 def from_torchrun(size: int) -> bool:

@@ -6,7 +6,9 @@
 The OpenAI routes live in `openai_routes`; this module wires them with /health and /metrics,
 turns every error into OpenAI's error JSON with a 4xx code (a malformed body is a 400, as OpenAI
 answers, not FastAPI's 422), and serves the explorer's static files at `/` (mounted last, so every
-API route is matched first). The app starts the engine loop on startup and stops it on shutdown.
+API route is matched first; a GET of an API route's path is still a 405, not the static 404). The
+`gate.Gate` in front checks the API key and the body size; replies are JSON that a client's lone
+surrogate cannot break. The app starts the engine loop on startup and stops it on shutdown.
 """
 
 from __future__ import annotations
@@ -20,19 +22,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvstate.server.engine_loop import EngineLoop
+from kvstate.server.gate import Gate, safe_json
+from kvstate.server.limits import ServerLimits
 from kvstate.server.protocol import ApiError, error_body
 
 STATIC_DIR = Path(__file__).parent / "static"
 log = logging.getLogger("kvstate.server")
 
 
+class SafeJSONResponse(JSONResponse):
+    def render(self, content) -> bytes:
+        return safe_json(content)
+
+
 def create_app(engine, *, model_name: str | None = None, routers=(), static_dir: Path | None = STATIC_DIR,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The app over `engine`: an `EngineLoop`, or an `LLM` (a loop is made for it, named `model_name`).
     `routers`: extra APIRouters to include (they see the loop as `request.app.state.engine_loop`);
-    `static_dir`: mounted at `/` when it exists (None: no static files)."""
+    `static_dir`: mounted at `/` when it exists (None: no static files); `api_key`: required as a
+    bearer token by /v1 and the explorer's API; `limits`: what one request may ask (`ServerLimits`)."""
     from kvstate.server import metrics, openai_routes
 
     loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, model_name=model_name)
@@ -46,10 +57,13 @@ def create_app(engine, *, model_name: str | None = None, routers=(), static_dir:
             loop.stop()
 
     app = FastAPI(title="kvstate", description="OpenAI-compatible server over the kvstate engine "
-                  "(paged KV for full attention, fixed state slots for linear layers)", lifespan=lifespan)
+                  "(paged KV for full attention, fixed state slots for linear layers)", lifespan=lifespan,
+                  default_response_class=SafeJSONResponse)
     app.state.engine_loop = loop
+    app.state.limits = limits = limits or ServerLimits()
     app.state.metrics = metrics.ServerMetrics(loop)
-    app.add_middleware(metrics.CountRequests, metrics=app.state.metrics)
+    app.add_middleware(Gate, limits=limits, api_key=api_key)
+    app.add_middleware(metrics.CountRequests, metrics=app.state.metrics)  # outermost: counts the gate's 401/413 too
     _error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(metrics.router)
@@ -70,10 +84,17 @@ def include_router(app: FastAPI, router) -> None:
     app.router.routes.extend(static)
 
 
+def _allowed_methods(app: FastAPI, scope) -> set[str]:
+    """The methods an API route (not the static files) takes at this request's path (none: a true 404)."""
+    routes = [r for r in app.router.routes if getattr(r, "name", None) != "static"]
+    return {m for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
+            if any(r.matches({**scope, "method": m})[0] == Match.FULL for r in routes)}
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+        return SafeJSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
@@ -85,15 +106,22 @@ def _error_handlers(app: FastAPI) -> None:
         else:
             message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}"
             param = where[0] if where else None
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return SafeJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:  # the static files at / answer every GET: an API path is a 405 there
+            allowed = _allowed_methods(app, request.scope)
+            if allowed and request.method not in allowed:
+                return SafeJSONResponse(error_body(f"method {request.method} is not allowed here; use "
+                                                   f"{', '.join(sorted(allowed))}"), status_code=405,
+                                        headers={"Allow": ", ".join(sorted(allowed))})
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return SafeJSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):  # an engine bug: say so, keep serving
         log.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
-                            status_code=500)
+        return SafeJSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
+                                status_code=500)

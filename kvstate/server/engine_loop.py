@@ -79,6 +79,7 @@ class EngineLoop:
         self._stats: dict = self.core.stats()  # a snapshot taken by the thread after every step
         self.steps = 0
         self.failures = 0  # steps that raised (engine bugs): their requests failed, serving went on
+        self.generated_tokens = 0  # every token sampled for a client, its request aborted or not
         # called on the engine thread after every step as observer(core, outputs, seconds): the explorer's
         # step timeline and engine view read core.last_step and the pools there, between steps
         self.step_observers: list = []
@@ -134,6 +135,7 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 continue
             self.steps += 1
+            self.generated_tokens += sum(len(out.token_ids) for out in outs)
             # observers first: a handler that sees its request finish then finds the step recorded
             for observe in self.step_observers:
                 try:
@@ -163,7 +165,7 @@ class EngineLoop:
                 sub, jobs = cmd[1], cmd[2]
                 for choice, (rid, (ids, params)) in enumerate(jobs):
                     try:
-                        self.core.add_request(rid, ids, params)
+                        self.core.add_request(rid, ids, params, group=sub.request_ids[0])  # admitted in turn with other clients
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))

@@ -18,7 +18,9 @@ real-scale prefill/decode timeline, cache on/off in time) live in `explorer_less
 this router includes (decay, gates, compare, scale, scale/run, cache/time).
 
 The router's lifespan hangs a `StepRecorder` on the app's engine loop (`step_observers`), so the
-timeline starts with the server. Every bad input is a 400 with the server's error JSON.
+timeline starts with the server. Every bad input is a 400 with the server's error JSON (a config
+field the planner refuses names it as `param`, e.g. "config.num_hidden_layers"). The planner,
+tokenizing and the recall task's prompt run on worker threads, so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from kvstate.errors import KvstateError
+from kvstate.errors import ConfigFieldError, KvstateError
 from kvstate.server.explorer_engine import StepRecorder
 from kvstate.server.protocol import ApiError
+from kvstate.server.schemas import lone_surrogate
 
 MAX_CACHE_TOKENS = 64
 
@@ -60,8 +63,8 @@ async def _lifespan(app):
 router = APIRouter(prefix="/explorer/api", include_in_schema=False, lifespan=_lifespan)
 
 
-def _bad(exc: Exception) -> ApiError:
-    return ApiError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+def _bad(exc: Exception, param: str | None = None) -> ApiError:
+    return ApiError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, param=param)
 
 
 def _loaded_plan(request: Request):
@@ -82,6 +85,8 @@ def _memory(request: Request, model: str | None, config: dict | None, context: i
 
     try:
         plan = plan_for(model, config, _loaded_plan(request))
+    except ConfigFieldError as exc:
+        raise _bad(exc, f"config.{exc.field}" if config is not None and exc.field else None) from None
     except KvstateError as exc:
         raise _bad(exc) from None
     except Exception as exc:  # an uploaded config the adapters trip over: the user's file, not a server fault
@@ -89,12 +94,12 @@ def _memory(request: Request, model: str | None, config: dict | None, context: i
     try:
         return memory_view(plan, context=context)
     except KvstateError as exc:
-        raise _bad(exc) from None
+        raise _bad(exc, "context" if str(exc).startswith("context") else None) from None
 
 
 @router.get("/memory")
 async def memory(request: Request, model: str = "qwen3.5-0.8b", context: int | None = None):
-    return _memory(request, model, None, context)
+    return await run_in_threadpool(_memory, request, model, None, context)
 
 
 class ConfigUpload(BaseModel):
@@ -104,7 +109,7 @@ class ConfigUpload(BaseModel):
 
 @router.post("/memory")
 async def memory_upload(body: ConfigUpload, request: Request):
-    return _memory(request, None, body.config, body.context)
+    return await run_in_threadpool(_memory, request, None, body.config, body.context)
 
 
 @router.get("/engine")
@@ -136,7 +141,9 @@ async def cache_run(body: CacheRun, request: Request):
     from kvstate.engine.params import SamplingParams
 
     loop, rec = _engine_parts(request)
-    ids = loop.core.tokenizer.encode(body.prompt)
+    if lone_surrogate(body.prompt):
+        raise ApiError("the prompt holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param="prompt")
+    ids = await run_in_threadpool(loop.core.tokenizer.encode, body.prompt)
     room = loop.core.max_model_len - body.max_tokens
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")
@@ -174,7 +181,8 @@ async def recall(body: RecallRun, request: Request):
         state.explorer_recall_lock = threading.Lock()  # one scoring forward at a time beside the engine thread
     lock = state.explorer_recall_lock
     try:
-        prompt, answer, candidates = explorer_recall.example(body.task, body.size, body.seed, body.depth)
+        prompt, answer, candidates = await run_in_threadpool(explorer_recall.example, body.task, body.size,
+                                                             body.seed, body.depth)
     except KvstateError as exc:
         raise _bad(exc) from None
 

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict, deque
 
 STANDARD_STATS = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "state_slots_used",
-                  "state_slots_total", "kv_bytes_in_use", "state_bytes_in_use")
+                  "state_slots_total", "kv_bytes_in_use", "state_bytes_in_use", "kv_blocks_held", "state_slots_held")
 
 
 def _request_row(seq, computed: int, blocks: list[int], slot, status: str) -> dict:
@@ -140,6 +140,7 @@ class StepRecorder:
         return {"block_size": s.config.block_size, "block_bytes": sizes.block_bytes, "slot_bytes": sizes.slot_bytes,
                 "kv_blocks_total": sizes.num_blocks, "kv_blocks_used": stats["kv_blocks_used"],
                 "state_slots_total": sizes.num_slots, "state_slots_used": stats["state_slots_used"],
+                "kv_blocks_held": stats.get("kv_blocks_held", 0), "state_slots_held": stats.get("state_slots_held", 0),
                 "kv_bytes_in_use": stats["kv_bytes_in_use"], "state_bytes_in_use": stats["state_bytes_in_use"],
                 "max_model_len": core.max_model_len, "requests": running + waiting,
                 "finished": list(self.finished), "num_steps": self.num_steps,

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from kvstate.errors import KvstateError
 from kvstate.server.protocol import ApiError
+from kvstate.server.schemas import lone_surrogate
 
 MAX_PROMPT_TOKENS = 64  # the gates panel feeds the prompt one token at a time
 MAX_TIMED_PROMPT = 256
@@ -43,6 +44,12 @@ async def _lifespan(app):
 
 
 router = APIRouter(include_in_schema=False, lifespan=_lifespan)  # serves the page, not clients
+
+
+def _check_text(prompt: str) -> None:
+    """A lone surrogate ("\\ud800" in JSON) is not text a tokenizer takes: a 400, not a 500."""
+    if lone_surrogate(prompt):
+        raise ApiError("the prompt holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param="prompt")
 
 
 def _engine(request: Request):
@@ -93,7 +100,9 @@ async def gates(body: GatesRun, request: Request):
 
     loop = _engine(request)
     core = loop.core
-    ids = core.tokenizer.encode(body.prompt)[:MAX_PROMPT_TOKENS]
+    _check_text(body.prompt)
+    all_ids = await run_in_threadpool(core.tokenizer.encode, body.prompt)
+    ids = all_ids[:MAX_PROMPT_TOKENS]
     if not ids:
         raise ApiError("the prompt has no tokens")
     tokens = [core.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
@@ -111,7 +120,7 @@ async def gates(body: GatesRun, request: Request):
     spec = core.runner.cache_spec
     attention = [e.layer for e in spec.entries if e.kv is not None]
     return {"model": loop.model_name, "layer_string": core.plan.layer_string, "tokens": tokens,
-            "truncated": len(core.tokenizer.encode(body.prompt)) > MAX_PROMPT_TOKENS,
+            "truncated": len(all_ids) > MAX_PROMPT_TOKENS,
             "threshold": eg.THRESHOLD, "layers": layers, "state_layer": layer, "state_layers": linear,
             "state_shape": eg.state_shape(core.model, layer) if layer is not None else [],
             "attention_layers": attention, "kv_bytes_per_token": spec.kv_bytes_per_token,
@@ -221,7 +230,8 @@ async def cache_time(body: TimedRun, request: Request):
     rec = getattr(request.app.state, "explorer_recorder", None)
     if rec is None:
         raise ApiError("the explorer's step recorder is not running", status=409)
-    ids = loop.core.tokenizer.encode(body.prompt)
+    _check_text(body.prompt)
+    ids = await run_in_threadpool(loop.core.tokenizer.encode, body.prompt)
     room = min(MAX_TIMED_PROMPT, loop.core.max_model_len - body.max_tokens)
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")

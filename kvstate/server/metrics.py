@@ -1,6 +1,7 @@
 """`/metrics`: Prometheus text (prometheus-client) for one app, in its own registry (no globals).
 
-Counters kept by the server: requests by route and status code, prompt and generated tokens.
+Counters kept by the server: requests by route and status code, prompt tokens; generated tokens
+are the engine loop's count (every token sampled, the requests a client left included).
 Gauges read at scrape time from the engine loop's last snapshot of `EngineCore.stats()`: every
 numeric field becomes `kvstate_<field>` (requests running and waiting, KV blocks and state slots
 used and total, bytes in use, and whatever the engine adds later, such as prefix-cache hits),
@@ -14,7 +15,7 @@ import re
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 router = APIRouter()
 
@@ -24,6 +25,8 @@ class _EngineCollector:
         self.loop = loop
 
     def collect(self):
+        yield CounterMetricFamily("kvstate_generation_tokens", "tokens generated (aborted requests' included)",
+                                  value=self.loop.generated_tokens)
         for key, value in sorted(self.loop.stats().items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 name = "kvstate_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
@@ -37,8 +40,6 @@ class ServerMetrics:
                                 ["route", "code"], registry=self.registry)
         self.prompt_tokens = Counter("kvstate_prompt_tokens", "prompt tokens of accepted requests",
                                      registry=self.registry)
-        self.generation_tokens = Counter("kvstate_generation_tokens", "tokens generated for finished requests",
-                                         registry=self.registry)
         self.registry.register(_EngineCollector(loop))
 
     def text(self) -> bytes:

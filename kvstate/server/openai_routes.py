@@ -1,10 +1,13 @@
 """The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health.
 
-A handler checks the request (model name, sampling fields, prompt length against the engine's
-max_model_len: 4xx on anything wrong), turns it into engine requests (one per prompt and sample,
-sample k seeded seed + k as vLLM), hands them to the engine loop, and answers with the whole
-result or a stream of server-sent events. A request the engine itself rejects fails before any
-byte is sent, so it too is a 400. Leaving a stream early aborts its engine requests.
+A handler checks the request (model name, unsupported fields, the server's limits on prompts x n
+and prompt characters, sampling fields, prompt length against the engine's max_model_len: 4xx on
+anything wrong, the cheap checks before any tokenizing), tokenizes on a worker thread (chat
+templates too: the event loop keeps answering /health), turns it into engine requests (one per
+prompt and sample, sample k seeded seed + k as vLLM), hands them to the engine loop, and answers
+with the whole result or a stream of server-sent events. A request the engine itself rejects
+fails before any byte is sent, so it too is a 400. Leaving a stream early aborts its engine
+requests. Generated tokens are counted by the engine loop (aborted requests' too).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvstate.errors import KvstateError
 from kvstate.server import protocol as P
 from kvstate.server.protocol import ApiError
-from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
 
 router = APIRouter()
 
@@ -40,70 +44,113 @@ async def models(request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     loop = request.app.state.engine_loop
+    _check_model(loop, body)
     if body.echo:
         raise ApiError("echo is not supported", param="echo")
     if body.suffix:
         raise ApiError("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
         raise ApiError("best_of other than n is not supported", param="best_of")
-    prompts = _completion_prompts(loop, body.prompt)
+    prompts = [body.prompt] if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
+        else body.prompt
+    if not prompts:
+        raise ApiError("prompt is empty", param="prompt")
+    _check_fanout(request, len(prompts), body.n)
+    most = request.app.state.limits.prompt_chars(loop.core.max_model_len)
+    for p in prompts:
+        if isinstance(p, str):
+            _check_text(p, most, "prompt")
+            if loop.llm.tokenizer is None:
+                raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs)
+    prompts = await run_in_threadpool(_token_ids, loop, prompts)
     return await _serve(request, body, prompts, params, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     loop = request.app.state.engine_loop
+    _check_model(loop, body)
+    field = body.unsupported()
+    if field is not None:
+        raise ApiError(f"{field} is not supported by this server", param=field)
     tokenizer = loop.llm.tokenizer
     if tokenizer is None:
         raise ApiError("this model has no tokenizer.json: chat needs its chat template", param="messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    _check_fanout(request, 1, body.n)
+    for i, m in enumerate(body.messages):
+        if m.tool_calls or m.function_call:
+            raise ApiError(f"messages[{i}]: tool and function calls are not supported", param="messages")
+        if m.content is None:
+            raise ApiError(f"messages[{i}]: content is required", param="messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-    except KvstateError as exc:
-        raise ApiError(str(exc), param="messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    _check_text("".join(m["content"] for m in messages), request.app.state.limits.prompt_chars(loop.core.max_model_len),
+                "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+
+    def template() -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except KvstateError as exc:
+            raise ApiError(str(exc), param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = await run_in_threadpool(template)
     return await _serve(request, body, [ids], params, chat=True)
 
 
 # -- requests in ---------------------------------------------------------------------------------
-def _completion_prompts(loop, prompt) -> list[list[int]]:
-    """Token ids of each prompt: a text, token ids, or a list of either."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
-    if not prompt:
-        raise ApiError("prompt is empty", param="prompt")
-    out = []
-    for p in prompt:
-        if isinstance(p, str):
-            if loop.llm.tokenizer is None:
-                raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
-            p = loop.llm.tokenizer.encode(p)
-        out.append(list(p))
-    return out
-
-
-def _check(loop, body, prompts: list[list[int]], params) -> None:
+def _check_model(loop, body) -> None:
     if body.model is not None and body.model != loop.model_name:
         raise ApiError(f"The model `{body.model}` does not exist (this server serves `{loop.model_name}`)",
                        status=404, param="model", code="model_not_found")
+
+
+def _check_fanout(request: Request, num_prompts: int, n: int) -> None:
+    """prompts x n within the server's --max-sequences-per-request, before any prompt is read."""
+    most = request.app.state.limits.max_sequences
+    if num_prompts > most:
+        raise ApiError(f"{num_prompts} prompts in one request; this server takes at most {most} "
+                       f"(kvstate serve --max-sequences-per-request)", param="prompt")
+    if num_prompts * n > most:
+        raise ApiError(f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; this server takes at most "
+                       f"{most} per request (kvstate serve --max-sequences-per-request)", param="n")
+
+
+def _check_text(text: str, most: int, param: str) -> None:
+    """A prompt's text: at most `most` characters (checked before tokenizing), no lone surrogates."""
+    if len(text) > most:
+        raise ApiError(f"the {param} has {len(text)} characters; this server takes at most {most} "
+                       f"(kvstate serve --max-prompt-chars)", param=param, code="context_length_exceeded")
+    if lone_surrogate(text):
+        raise ApiError(f"the {param} holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param=param)
+
+
+def _token_ids(loop, prompts) -> list[list[int]]:
+    """Token ids of each prompt (a text or token ids), on a worker thread."""
+    return [loop.llm.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _check(loop, body, prompts: list[list[int]], params) -> None:
     limit, vocab = loop.core.max_model_len, loop.core.plan.vocab_size
     for ids in prompts:
         if not ids:
             raise ApiError("prompt is empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
         want = len(ids) + (params.max_tokens or 0)
         if len(ids) >= limit or want > limit:
             raise ApiError(f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{want} tokens ({len(ids)} in the prompt, {params.max_tokens or 0} in the completion). "
                            f"Please reduce the length of the prompt or max_tokens.", param="prompt",
                            code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if outside:
+        raise ApiError(f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab})", param="stop_token_ids")
 
 
 def _jobs(prompts, params) -> list:
@@ -114,6 +161,8 @@ def _jobs(prompts, params) -> list:
 async def _serve(request: Request, body, prompts, params, *, chat: bool):
     loop, metrics = request.app.state.engine_loop, request.app.state.metrics
     _check(loop, body, prompts, params)
+    if body.stop and lone_surrogate("".join([body.stop] if isinstance(body.stop, str) else body.stop)):
+        raise ApiError("stop holds a lone UTF-16 surrogate: not valid text", param="stop")
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     sub = loop.submit(_jobs(prompts, params))
     reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
@@ -128,10 +177,9 @@ async def _serve(request: Request, body, prompts, params, *, chat: bool):
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _EngineStream(reply.stream(first, sub, include_usage, metrics), sub)
+        return _EngineStream(reply.stream(first, sub, include_usage), sub)
     for out in reply.finals:
         _raise_if_failed(out)
-    metrics.generation_tokens.inc(reply.completion_tokens)
     return reply.whole()
 
 
@@ -249,7 +297,7 @@ class _Reply:
         self.offsets[choice] += sum(len(t) for t in lp["tokens"])
         return lp
 
-    async def stream(self, first, sub, include_usage: bool, metrics):
+    async def stream(self, first, sub, include_usage: bool):
         if self.chat:  # OpenAI opens each choice with the role
             yield self._chunk([self._piece(c, None, first=True) for c in range(len(self.finals))])
         item = first
@@ -267,7 +315,6 @@ class _Reply:
                 else:
                     yield self._chunk([self._piece(choice, out.text, reason, logprobs=lp)])
             item = await anext(sub, None)
-        metrics.generation_tokens.inc(self.completion_tokens)
         if include_usage:
             yield self._chunk([], P.usage(self.prompt_tokens, self.completion_tokens))
         yield P.sse("[DONE]")

@@ -2,13 +2,15 @@
 
 Field names, types and defaults are OpenAI's; vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids) are accepted as vLLM does. Unknown fields are
-ignored (clients send `user` and the like). Bounds that protect the server (n, logprobs) are in
+ignored (clients send `user` and the like), except the ones that would change the answer and that
+kvstate does not do (tools, function calls, a response_format other than text, audio): those are
+a 400 naming the field, not silently dropped. Bounds that protect the server (n, logprobs) are in
 the schema, so the OpenAPI document states them and a bad value is a 400 before any work.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,6 +75,15 @@ class _Sampling(BaseModel):
             raise ApiError(message.removeprefix("SamplingParams."), param=param) from None
 
 
+def lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone surrogate ("\ud800" in JSON): not text a tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
         ..., description="a text, token ids, or a list of either (one choice group per prompt)")
@@ -94,6 +105,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[Any] | None = Field(None, description="not supported: a 400")
+    function_call: Any = Field(None, description="not supported: a 400")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -108,3 +121,25 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's extra
+    # OpenAI fields kvstate does not do: refused by name (`unsupported`) rather than ignored
+    tools: list[Any] | None = Field(None, description="not supported: a 400")
+    tool_choice: Any = Field(None, description="not supported (only \"none\"): a 400")
+    functions: list[Any] | None = Field(None, description="not supported: a 400")
+    function_call: Any = Field(None, description="not supported: a 400")
+    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    audio: Any = Field(None, description="not supported: a 400")
+    modalities: list[str] | None = Field(None, description="only [\"text\"]")
+    prediction: Any = Field(None, description="not supported: a 400")
+
+    def unsupported(self) -> str | None:
+        """The first field set that kvstate cannot honor (its name), or None."""
+        for name in ("tools", "functions", "function_call", "audio", "prediction"):
+            if getattr(self, name):
+                return name
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities"
+        return None

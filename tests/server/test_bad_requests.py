@@ -42,7 +42,7 @@ BAD = [  # (path, body or raw bytes, expected status, the param named or None)
     (C, {**OK_C, "seed": 2**70}, 400, "seed"),
     (C, {**OK_C, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     (C, {**OK_C, "stop": 5}, 400, "stop"),
-    (C, {**OK_C, "stop_token_ids": [10**6]}, 400, "prompt"),
+    (C, {**OK_C, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     (C, {**OK_C, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (C, {**OK_C, "echo": True}, 400, "echo"),
     (C, {**OK_C, "stream": "yes please"}, 400, "stream"),

@@ -90,3 +90,12 @@ def test_serve_process_answers_and_stops(checkpoint):
     # uvicorn shuts down gracefully, then re-raises the signal it caught (its documented behavior)
     assert rc in (0, -signal.SIGTERM)
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_help_lists_the_limits_and_the_key(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--api-key", "KVSTATE_API_KEY", "--max-body-bytes", "--max-prompt-chars", "--max-sequences-per-request"):
+        assert flag in out, flag

@@ -4,11 +4,40 @@
 
 const API = "explorer/api/";
 
+// The server's --api-key, when it has one: from ?key=... (then kept in localStorage and dropped from
+// the address bar), else the one stored; a 401 asks for it once and retries.
+const KEY_STORE = "kvstate-api-key";
+(function takeKeyFromUrl() {
+  const url = new URL(window.location.href);
+  const key = url.searchParams.get("key");
+  if (key === null) return;
+  try { localStorage.setItem(KEY_STORE, key); } catch (e) { /* private mode: asked again on a 401 */ }
+  url.searchParams.delete("key");
+  window.history.replaceState(null, "", url.toString());
+})();
+
+let sessionKey = null;  // the key given at the prompt, where localStorage cannot keep it
+
+function apiKey() {
+  try { return localStorage.getItem(KEY_STORE) || sessionKey; } catch (e) { return sessionKey; }
+}
+
 // GET or POST JSON; a reply with an error body throws its message (one line).
-async function api(path, body) {
-  const init = body === undefined ? {} : {
-    method: "POST", headers: {"content-type": "application/json"}, body: JSON.stringify(body)};
+async function api(path, body, retried = false) {
+  const headers = body === undefined ? {} : {"content-type": "application/json"};
+  const key = apiKey();
+  if (key) headers["authorization"] = `Bearer ${key}`;
+  const init = body === undefined ? {headers} : {method: "POST", headers, body: JSON.stringify(body)};
   const res = await fetch(path.startsWith("/") ? path : API + path, init);
+  if (res.status === 401 && !retried) {
+    if (apiKey() && apiKey() !== key) return api(path, body, true);  // given meanwhile, for another request
+    const given = window.prompt("This kvstate server needs its API key (kvstate serve --api-key):");
+    if (given) {
+      sessionKey = given;
+      try { localStorage.setItem(KEY_STORE, given); } catch (e) { /* kept for this page only */ }
+      return api(path, body, true);
+    }
+  }
   let data = null;
   try { data = await res.json(); } catch (e) { /* not JSON: reported below */ }
   if (!res.ok) {

@@ -1,0 +1,350 @@
+"""A hostile client against a real `kvstate serve` process: the shipped hybrid with prefix caching
+and an API key (from KVSTATE_API_KEY), on loopback. Every request of issue #27's table and the
+malformed ones of test_bad_requests get a 4xx with OpenAI's error JSON naming the right `param`;
+a /health poller runs beside the whole suite (each answer within 1 s: nothing blocks the event
+loop); one request's fan-out does not starve a later one; aborted streams' tokens are counted;
+an idle server shows its snapshots as held, not used; schemathesis with the key finds no 5xx; the
+server's RSS grows by less than 300 MB. The module's last test prints the suite's figures."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from kvstate.shipped import DEFAULT_MODEL  # noqa: E402
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME  # noqa: E402
+from tests.server.test_bad_requests import BAD  # noqa: E402
+
+KEY = "hostile-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+C, CHAT, MEMORY = "/v1/completions", "/v1/chat/completions", "/explorer/api/memory"
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "kvstate", "data", "models", DEFAULT_MODEL)
+CONFIG = json.load(open(os.path.join(SHIPPED, "config.json")))
+NO_TYPES = {k: v for k, v in CONFIG.items() if k != "layer_types"}
+HUGE = json.dumps({"prompt": "Hello " * 8_700_000}).encode()  # 52 MB
+HUGE_CHAT = json.dumps({"messages": [{"role": "user", "content": "Hello " * 8_700_000}]}).encode()
+LONG = "Hello " * 200_000  # 1.2 MB: under the body limit, over 32 characters per token of 256
+FIGURES: dict = {"requests": 0, "5xx": 0, "timings": {}}
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+POLLER = """
+import sys, time, httpx
+url, out = sys.argv[1], open(sys.argv[2], "a")
+with httpx.Client(timeout=10) as client:
+    while True:
+        start = time.perf_counter()
+        try:
+            ok = client.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        print(time.time(), time.perf_counter() - start if ok else 10.0, file=out, flush=True)
+        time.sleep(0.05)
+"""
+
+
+class HealthWatch:
+    """GET /health every 50 ms for the whole suite, from a process of its own (so that the test
+    process's own work never delays a poll); a failed poll counts as 10 s."""
+
+    def __init__(self, url: str, log):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, url, str(log)])
+        self.spans: list[tuple[str, float, float]] = []  # (test, start, end) wall clock
+
+    def polls(self) -> list[tuple[float, float]]:
+        return [tuple(map(float, line.split())) for line in self.log.read_text().splitlines() if line.strip()]
+
+    def slowest_by_test(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for when, took in self.polls():
+            name = next((n for n, a, b in self.spans if a <= when - took and when <= b + 0.05), "between tests")
+            out[name] = max(out.get(name, 0.0), took)
+        return out
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _count(response):
+    FIGURES["requests"] += 1
+    FIGURES["5xx"] += response.status_code >= 500
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVSTATE_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", "--max-model-len",
+                             str(MAX_MODEL_LEN), "--cache-memory", "32MiB", "--served-model-name", MODEL_NAME,
+                             "--enable-prefix-caching"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert url, line
+        url = url[0]
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60, event_hooks={"response": [_count]}) as client:
+            client.post(C, json={"prompt": "warm up", "max_tokens": 2})  # first-request costs out of the RSS figure
+            FIGURES["rss_before"] = _rss_mb(proc.pid)
+            watch = HealthWatch(url, tmp_path_factory.mktemp("health") / "polls.txt")
+            try:
+                yield url, client, proc, watch
+            finally:
+                watch.stop()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def _span(request):
+    """Each test's wall-clock span, to tell which one a slow /health answer fell in."""
+    start = time.time()
+    yield
+    watch = request.getfixturevalue("server")[3] if "server" in request.fixturenames else None
+    if watch is not None:
+        watch.spans.append((request.node.name, start, time.time()))
+
+
+def _metrics(url: str) -> dict:
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def _wait_idle(url: str) -> dict:
+    for _ in range(600):
+        m = _metrics(url)
+        if not (m["kvstate_num_running"] or m["kvstate_num_waiting"] or m["kvstate_num_pending"]):
+            return m
+        time.sleep(0.05)
+    return m
+
+
+def _assert_error(resp, status: int, param):
+    assert resp.status_code == status, resp.text[:300]
+    error = resp.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and "Traceback" not in error["message"]
+    assert error["type"] and error["param"] == param, error
+
+
+def test_the_key_is_needed_but_health_metrics_and_the_page_stay_open(server):
+    url, *_ = server
+    for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/explorer/api/models"),
+                         ("POST", MEMORY)):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+            with httpx.Client(event_hooks={"response": [_count]}) as bare:
+                resp = bare.request(method, url + path, json={}, headers=headers)
+            assert resp.status_code == 401, (method, path, headers)
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+    with httpx.Client(event_hooks={"response": [_count]}) as bare:
+        for path in ("/health", "/metrics", "/"):
+            assert bare.get(url + path).status_code == 200, path
+
+
+TABLE = [  # (name, method, path, json body or raw bytes, status, param)
+    ("10**12 layers", "POST", MEMORY, {"config": {**NO_TYPES, "num_hidden_layers": 10**12,
+                                                   "full_attention_interval": 4}}, 400, "config.num_hidden_layers"),
+    ("10**5 layers", "POST", MEMORY, {"config": {**NO_TYPES, "num_hidden_layers": 10**5,
+                                                  "full_attention_interval": 4}}, 400, "config.num_hidden_layers"),
+    ("head_dim 10**30", "POST", MEMORY, {"config": {**CONFIG, "head_dim": 10**30}}, 400, "config.head_dim"),
+    ("vocab 10**12", "POST", MEMORY, {"config": {**CONFIG, "vocab_size": 10**12}}, 400, "config.vocab_size"),
+    ("context 10**9", "POST", MEMORY, {"config": CONFIG, "context": 10**9}, 400, "context"),
+    ("50 MB prompt", "POST", C, HUGE, 413, None),
+    ("50 MB chat", "POST", CHAT, HUGE_CHAT, 413, None),
+    ("1.2 MB prompt", "POST", C, {"prompt": LONG}, 400, "prompt"),
+    ("1.2 MB chat", "POST", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("7 MB, unknown model", "POST", C, {"model": "gpt-9", "prompt": "Hello " * 1_200_000}, 404, "model"),
+    ("lone surrogate", "POST", C, b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate, list", "POST", C, b'{"prompt": ["ok", "a\\ud800b"]}', 400, "prompt"),
+    ("lone surrogate, chat", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     "messages"),
+    ("lone surrogate, stop", "POST", C, b'{"prompt": "hi", "stop": "\\udfff"}', 400, "stop"),
+    ("lone surrogate, model", "POST", C, b'{"prompt": "hi", "model": "\\ud800"}', 404, "model"),
+    ("lone surrogate, cache run", "POST", "/explorer/api/cache", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate, cache time", "POST", "/explorer/api/cache/time", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate, gates", "POST", "/explorer/api/gates", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate, compare", "POST", "/explorer/api/compare", b'{"other": "\\ud800"}', 400, "other"),
+    ("1000 prompts x n=16", "POST", C, {"prompt": ["Hi"] * 1000, "n": 16, "max_tokens": 64, "ignore_eos": True},
+     400, "prompt"),
+    ("8 prompts x n=16", "POST", C, {"prompt": ["Hi"] * 8, "n": 16, "max_tokens": 4}, 400, "n"),
+    ("stop_token_ids 10**9", "POST", C, {"prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    ("tools", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                             "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400,
+     "tool_choice"),
+    ("json_object", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                   "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("no content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("assistant tool call", "POST", CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, 400,
+     "messages"),
+    ("GET completions", "GET", C, None, 405, None),
+    ("GET chat", "GET", CHAT, None, 405, None),
+    ("DELETE completions", "DELETE", C, None, 405, None),
+    ("PUT explorer memory", "PUT", MEMORY, None, 405, None),
+]
+
+
+@pytest.mark.parametrize("name, method, path, body, status, param", TABLE, ids=[row[0] for row in TABLE])
+def test_each_hostile_request_is_a_clear_4xx(server, name, method, path, body, status, param):
+    url, client, *_ = server
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else (
+        {} if body is None else {"json": body})
+    start = time.perf_counter()
+    resp = client.request(method, path, **kwargs)
+    FIGURES["timings"][name] = time.perf_counter() - start
+    _assert_error(resp, status, param)
+
+
+def test_a_body_without_length_is_cut_off_past_the_limit(server):
+    url, client, *_ = server
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"Hello " * 20_000  # 12 MB in all, no Content-Length (chunked)
+        yield b'"}'
+
+    resp = client.post(C, content=chunks(), headers={"content-type": "application/json"})
+    _assert_error(resp, 413, None)
+
+
+def test_a_client_that_waits_for_100_continue_gets_the_413_without_sending(server):
+    url, *_ = server
+    host, port = url.removeprefix("http://").split(":")
+    start = time.perf_counter()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(HUGE)}\r\n"
+                     "Expect: 100-continue\r\n\r\n".encode())
+        head = sock.recv(65536).decode()
+    FIGURES["timings"]["50 MB, Expect: 100-continue"] = time.perf_counter() - start
+    FIGURES["requests"] += 1
+    assert head.startswith("HTTP/1.1 413"), head[:200]
+
+
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_the_malformed_requests_stay_4xx_with_the_key(server, i):
+    url, client, *_ = server
+    path, body, status, param = BAD[i]
+    if isinstance(body, bytes):
+        resp = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = client.post(path, json=body)
+    _assert_error(resp, status, param)
+
+
+def test_one_requests_fanout_does_not_starve_a_later_one(server):
+    url, client, *_ = server
+    done = {}
+
+    def big():
+        client.post(C, json={"prompt": ["Hi"] * 16, "n": 4, "max_tokens": 80, "ignore_eos": True})
+        done["big"] = time.perf_counter()
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    while _metrics(url)["kvstate_num_running"] < 2:
+        time.sleep(0.01)
+    resp = client.post(C, json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+    done["small"] = time.perf_counter()
+    thread.join(120)
+    assert resp.status_code == 200 and "big" in done
+    assert done["small"] < done["big"]  # admitted in turn, not after the 64 sequences ahead of it
+
+
+def test_tokens_of_streams_left_early_are_counted(server):
+    url, client, *_ = server
+    before = _wait_idle(url)["kvstate_generation_tokens_total"]
+    for _ in range(3):
+        with client.stream("POST", C, json={"prompt": "hello", "max_tokens": 100, "ignore_eos": True,
+                                            "stream": True}) as resp:
+            assert resp.status_code == 200
+            for i, _line in enumerate(resp.iter_lines()):
+                if i >= 6:  # three chunks (each followed by a blank line), then leave
+                    break
+    after = _wait_idle(url)["kvstate_generation_tokens_total"]
+    assert after - before >= 9
+
+
+def test_an_idle_server_shows_snapshots_as_held_not_used(server):
+    url, client, *_ = server
+    for _ in range(2):
+        client.post(C, json={"prompt": list(range(3, 60)), "max_tokens": 2})
+    m = _wait_idle(url)
+    assert m["kvstate_state_slots_used"] == 0 and m["kvstate_kv_blocks_used"] == 0
+    assert m["kvstate_state_slots_held"] >= 1 and m["kvstate_snapshots_held"] == m["kvstate_state_slots_held"]
+
+
+def test_schemathesis_with_the_key_finds_no_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis.generation import GenerationMode
+
+    url, client, *_ = server
+    schema = schemathesis.openapi.from_dict(client.get("/openapi.json").json())
+    for op in (op.ok() for op in schema.get_all_operations()):
+        @given(case=st.one_of(op.as_strategy(GenerationMode.POSITIVE), op.as_strategy(GenerationMode.NEGATIVE)))
+        @settings(max_examples=8, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        def check(case):
+            if isinstance(case.body, dict):
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if case.body.get(key) is None or (isinstance(case.body[key], int) and case.body[key] > 2):
+                        case.body[key] = 2
+                if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
+                    case.body["n"] = 2
+            resp = case.call(base_url=url, headers=AUTH, timeout=30)
+            FIGURES["requests"] += 1
+            FIGURES["5xx"] += resp.status_code >= 500
+            assert resp.status_code < 500, (case.method, case.path, case.body, resp.text)
+            if op.path.startswith("/v1/"):  # the same request without the key: 401
+                bare = case.call(base_url=url, headers={"authorization": ""}, timeout=30)
+                FIGURES["requests"] += 1
+                assert bare.status_code == 401, (case.method, case.path, bare.text)
+
+        check()
+
+
+def test_zz_the_server_held_up(server):
+    url, client, proc, watch = server
+    _wait_idle(url)
+    rss_after = _rss_mb(proc.pid)
+    t = FIGURES["timings"]
+    polls = watch.polls()
+    worst = max(took for _, took in polls)
+    print(f"\nhostile-client suite: {FIGURES['requests']} requests, {FIGURES['5xx']} 5xx; worst /health "
+          f"{worst * 1e3:.0f} ms over {len(polls)} polls; RSS {FIGURES['rss_before']:.0f} -> {rss_after:.0f} MB; "
+          f"50 MB body {t['50 MB prompt'] * 1e3:.0f} ms (sent whole; {t['50 MB, Expect: 100-continue'] * 1e3:.0f} ms "
+          f"with Expect: 100-continue); 10**12-layer config {t['10**12 layers'] * 1e3:.0f} ms")
+    slowest = sorted(watch.slowest_by_test().items(), key=lambda kv: -kv[1])[:3]
+    print("slowest /health by test: " + ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in slowest))
+    assert proc.poll() is None and FIGURES["5xx"] == 0
+    assert len(polls) > 10 and worst < 1.0  # the event loop never held /health for a second
+    assert rss_after - FIGURES["rss_before"] < 300
