@@ -72,7 +72,7 @@ def run_workload(cfg: SchedulerConfig, seed: int, num_requests: int) -> dict:
         if s.running and rng.random() < 0.02:
             s.abort(rng.choice(s.running).request_id)
         sched = s.schedule()
-        for f in s.postprocess(sched, model.run(sched)):
+        for f in s.postprocess(sched, model.run(sched)).finished:
             assert f.request_id not in done
             done[f.request_id] = f
         check_prefix_pools(s)
