@@ -23,6 +23,7 @@ from kvstate.engine.speculative.rejection import sample_step
 from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
 from kvstate.models.batch import Batch, BatchSpec
+from kvstate.profiling import timed
 
 
 def batch_spec(step) -> BatchSpec:
@@ -93,6 +94,7 @@ class ModelRunner:
             keep_states(self.rollback, kept)
             self.rollback = None
 
+    @timed("runner")
     def execute(self, step) -> SampleOutput:
         """One scheduled step: drop the sampling state of finished requests, carry out the state-slot
         copies, run the forward, and sample one token per entry that caught up (`step.sample_indices`)."""

@@ -17,6 +17,7 @@ import torch
 from kvstate.kernels import _ext
 from kvstate.kernels.dispatch import _DEFAULT, _forced
 from kvstate.kernels.threads import _wide
+from kvstate.profiling import timed
 
 MAX_ROWS = 64
 # Bytes a call streams from which it gets all threads inside `small_ops_serial`: recurrent state
@@ -87,6 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return ext.rms_norm(x, weight, eps, offset)
 
 
+@timed("norm")
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
     """(x + delta, rms_norm(x + delta)) for x, delta [T, D] (a residual add and the next norm), or None."""
     ext = _ext_for(x.shape[0], x, delta, weight)
@@ -141,6 +143,7 @@ def gdn_recurrent(q, k, v, g, beta, *, pool: torch.Tensor, slots: torch.Tensor, 
                       dk**-0.5 if scale is None else float(scale), l2)
 
 
+@timed("recurrent")
 def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, conv_pool: torch.Tensor,
                conv_weight: torch.Tensor, state_pool: torch.Tensor, group, A_log: torch.Tensor,
                dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
@@ -174,6 +177,7 @@ def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
                       num_k_heads)
 
 
+@timed("attention")
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, q_norm,
                      k_norm, rotary, batch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      scale: float) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from kvstate.kernels import _ext
 from kvstate.kernels.threads import _wide
+from kvstate.profiling import timed
 
 # Measured on the bench machine (one thread, 1024 x 3584 weights): with fp32 weights the kernel
 # beats F.linear 2.4x at 8 rows, 1.3x at 32, and ties at 64. With bf16 weights torch must first
@@ -95,6 +96,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return True
 
 
+@timed("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32, bfloat16 or int8 (times its

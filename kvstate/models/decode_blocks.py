@@ -34,6 +34,7 @@ from kvstate.layers.gated_deltanet import GatedDeltaNet
 from kvstate.layers.mlp import GatedMLP
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.recurrence import clear_fresh
+from kvstate.profiling import timed
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstate_per_op_blocks", default=False)
 _WEIGHTS = (torch.float32, torch.bfloat16, torch.int8)
@@ -59,6 +60,7 @@ def for_step(model, batch) -> list | None:
     return plans[0] if any(p is not None for p in plans[0]) else None
 
 
+@timed("compiled blocks")
 def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
     """The block as one call: (x + delta, its output delta), like `Block.forward_pending`.
     `entry`: (kind, compiled block) from the plan."""
