@@ -16,9 +16,9 @@ verify entry as a prefill chunk.
 
 `BatchSpec` is a step as plain host lists (what the engine hands over, and what crosses to TP
 ranks); `Batch.from_spec` builds from it. Host-side lengths are plain lists computed once; every
-tensor lives on the model's device (`Batch.build(..., device=)`). The model returns logits only for `sample_rows`: the last token of
-the entries whose next token is sampled (every token of a verify entry: each row judges one
-draft), or with logits="all" every token, for tests/analysis.
+tensor lives on the model's device (`Batch.build(..., device=)`). The model returns logits only
+for `sample_rows`: the last token of the entries whose next token is sampled (every token of a
+verify entry: each row judges one draft), or with logits="all" every token, for tests/analysis.
 """
 
 from __future__ import annotations

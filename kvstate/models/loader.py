@@ -179,7 +179,8 @@ def copy_weight(params, filled, target, tensor, key, file, plan):
     if target.name not in params:
         raise KvstateError(f"{file}: tensor {key!r} maps to {target.name!r}, which this model does not have")
     dest = params[target.name]
-    src = tensor if target.rows is None else tensor[list(target.rows) if isinstance(target.rows, tuple) else target.rows]
+    rows = list(target.rows) if isinstance(target.rows, tuple) else target.rows
+    src = tensor if rows is None else tensor[rows]
     view = dest[target.index] if target.index else dest
     if tuple(src.shape) != tuple(view.shape):
         if src.numel() != view.numel() or [d for d in src.shape if d != 1] != [d for d in view.shape if d != 1]:

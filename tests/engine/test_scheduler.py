@@ -55,7 +55,7 @@ def test_chunked_prefill_feeds_the_prompt_in_pieces_and_samples_once():
 
 
 def test_scheduler_output_builds_the_models_batch():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from kvstate.engine.runner import batch_spec
     from kvstate.models.batch import Batch
 
@@ -204,7 +204,8 @@ def test_malformed_requests_are_rejected_and_the_others_served():
     bad["params"] = s.add("params", [1], params)
     bad["dup"] = s.add("ok0", [1], GREEDY)
     good.append(s.add("ok2", [4, 5], GREEDY))
-    want = {**{r: m for r, (_, m) in BAD.items()}, "pool": "needs up to 13 KV blocks of 4 tokens; the cache pool holds 12",
+    want = {**{r: m for r, (_, m) in BAD.items()},
+            "pool": "needs up to 13 KV blocks of 4 tokens; the cache pool holds 12",
             "no_detok": "stop strings need a detokenizer", "params": r"top_p must be in \(0, 1\]",
             "dup": "request id 'ok0' is already in use"}
     for r, seq in bad.items():

@@ -7,7 +7,6 @@ token corrupted, so verify entries accept 0..k drafts and roll back to every len
 """
 
 import pytest
-import torch
 
 from kvstate import LLM, SamplingParams
 from kvstate.models.generate import greedy_generate
