@@ -21,13 +21,9 @@ from kvstate.profiling import timed
 
 MAX_ROWS = 64
 # Bytes a call streams from which it gets all threads inside `small_ops_serial`: recurrent state
-# (read and written) and KV rows (read). Measured on the 0.5b model at batch 8 (8 MiB of GDN state
-# and ~4.6 MiB of KV per layer), 2 threads, one process, load average ~4 from other work: the GDN
-# state update 1.7x faster on both threads, attention 1.6x, the step 1.06x. (An earlier busy-machine
-# run found batch 8 slower with 4 MiB; the old threshold, 64 MiB, kept batch 8 on one thread.)
-# At batch 1 (1 MiB of state, ~0.6 MiB of KV per layer), quiet machine, compiled blocks, bf16
-# weights, five alternating runs each: a step took 58.0 / 60.3 ms with both on one thread and
-# 56.3 / 57.9 ms with both wide (the older 4 MiB / 1 MiB thresholds kept batch 1 on one thread).
+# (read and written) and KV rows (read). From a quarter MiB the second thread's share of the bytes
+# outweighs waking it: the 0.5b model's steps are faster with these calls wide at batch 1 and 8
+# (docs/benchmarks.md, "Kernel history").
 WIDE_STATE_BYTES = 256 << 10
 WIDE_KV_BYTES = 256 << 10
 

@@ -139,7 +139,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if quantize:
         quantize_linears(model)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
-    place_weights(model)  # the streamed matrices on huge pages (~1.2x faster decode), where the OS has them
+    place_weights(model)  # the streamed matrices on huge pages (faster decode), where the OS has them
     model.eval()
     model.checkpoint_layout = layout
     model.hf_config = json.loads((path / "config.json").read_text())
