@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test bench clean
+.PHONY: install run lint test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,11 @@ run: $(STAMP) $(KERNELS)
 	$(BIN)/kvstate memory
 	$(BIN)/kvstate serve
 
-test: $(STAMP) $(KERNELS)
+# ruff (the test extra; settings in pyproject.toml) before the tests
+lint: $(STAMP)
+	$(BIN)/ruff check kvstate tests
+
+test: $(STAMP) $(KERNELS) lint
 	$(BIN)/python -m pytest -q -n 2 tests
 
 bench: $(STAMP) $(KERNELS)

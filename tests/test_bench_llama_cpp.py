@@ -189,15 +189,23 @@ def test_a_profiled_step_that_is_not_one_token_of_each_sequence_is_refused():
             _check_decode(step, 2)
 
 
-def test_profile_timers_are_removed_afterwards():
-    from kvstate.bench.step_profile import timed
-    from kvstate.kernels import fused
-    from kvstate.layers import recurrence
+def test_profiling_regions_count_only_while_a_collector_is_active():
+    from collections import defaultdict
 
-    before = (fused.linear, recurrence._RUN["decode"], recurrence._decode)
-    with timed({}):
-        assert fused.linear is not before[0] and recurrence._RUN["decode"] is not before[1]
-    assert (fused.linear, recurrence._RUN["decode"], recurrence._decode) == before
+    from kvstate import profiling
+
+    @profiling.timed("part")
+    def step(x):
+        return x + 1
+
+    totals = defaultdict(float)
+    assert step(1) == 2 and not totals  # no collector: a plain call
+    with profiling.collect(totals):
+        assert step(2) == 3
+        with pytest.raises(RuntimeError, match="already collecting"), profiling.collect(defaultdict(float)):
+            pass
+    seen = totals["part"]
+    assert seen > 0 and step(3) == 4 and totals["part"] == seen  # the collector is gone after the block
 
 
 def test_bench_engine_reports_unmeasurable_decode_rows(capsys, monkeypatch):

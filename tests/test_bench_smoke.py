@@ -58,7 +58,8 @@ def test_bench_engine_without_a_reference_never_imports_transformers(tmp_path):
     args = ["bench", "engine", "--model", str(path), "--no-reference", "--batches", "1", "--prompt-len", "6",
             "--new-tokens", "3", "--prefill-len", "12", "--json", "--threads", "1"]
     code = ("import sys; from kvstate.cli import main; rc = main(" + repr(args) + "); "
-            "assert rc == 0 and 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)")
+            "assert rc == 0 and 'transformers' not in sys.modules, "
+            "sorted(m for m in sys.modules if 'transformers' in m)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr

@@ -25,7 +25,8 @@ def _options(parser: argparse.ArgumentParser, path: tuple = ()):
             yield path, action
 
 
-WHOLE = [(path, a) for path, a in _options(build_parser()) if a.type is int or "whole number" in getattr(a.type, "__name__", "")]
+WHOLE = [(path, a) for path, a in _options(build_parser())
+         if a.type is int or "whole number" in getattr(a.type, "__name__", "")]
 
 
 def test_every_integer_option_is_checked_when_parsed():
@@ -37,7 +38,8 @@ def test_every_integer_option_is_checked_when_parsed():
 @pytest.mark.parametrize("path,action", WHOLE, ids=[f"{' '.join(p)} {a.option_strings[-1]}" for p, a in WHOLE])
 def test_a_whole_number_option_refuses_what_it_cannot_mean(path, action, capsys):
     flag = action.option_strings[-1]
-    low = 0 if flag in ZERO_ALLOWED else 2 if flag == "--new-tokens" or path == ("bench", "tp") and flag == "--tp" else 1
+    two = flag == "--new-tokens" or path == ("bench", "tp") and flag == "--tp"
+    low = 0 if flag in ZERO_ALLOWED else 2 if two else 1
     assert action.type(str(low)) == low and action.type(str(low + 7)) == low + 7
     for bad in (str(low - 1), "-5", "x", "1.5"):
         with pytest.raises(SystemExit) as exit_:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.cli import main
-from kvstate.config import BUNDLED, bundled_names
+from kvstate.config import bundled_names
 
 ROOT = Path(__file__).resolve().parents[1]
 MANY = "1k,2k,4k,8k,16k,32k,64k,128k,256k,512k,1m"

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     console.print(f"{result['model']}, prefill {t} tokens, weights "
-                  f"{str(model.lm_head.weight.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; machine: fp32 GEMM "
+                  f"{str(model.lm_head.weight.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; "
+                  "machine: fp32 GEMM "
                   f"{limits.gemm_flops / 1e9:.1f} GFLOP/s, bandwidth {limits.bandwidth / 1e9:.1f} GB/s")
     table = Table(title="kvstate bench model: prefill")
     for col in ("impl", "s", "tokens/s", "GFLOP/s", "% GEMM"):

@@ -13,8 +13,8 @@ row runs the same weights, pools and prompts:
   target, so it rarely agrees: the row shows the cost of drafting more than its gain).
 Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
 N - 1 tokens, best of `--repeats`; each row's plain speed is measured right after it, on the
-same prompt (a shared machine's load drifts between rows). Every speculative run is checked token for token against plain
-greedy decoding ("exact").
+same prompt (a shared machine's load drifts between rows). Every speculative run is checked token
+for token against plain greedy decoding ("exact").
 """
 
 from __future__ import annotations

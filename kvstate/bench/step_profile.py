@@ -12,8 +12,8 @@
 - `model other`: the rest of the model forward (gates, residual adds, views, embedding, Python);
 - `runner other`: building the packed Batch and the input tensors, slot copies;
 - `engine other`: scheduling and postprocessing (torch-free Python).
-The timers wrap the functions where the layers look them up (module attributes), so the model runs
-unchanged; each costs ~0.2 us per call, against steps of milliseconds. The parts do not nest.
+The parts are the regions the code marks with `kvstate.profiling.timed` (free while no profile
+collects; ~0.2 us per call while one does, against steps of milliseconds). The parts do not nest.
 """
 
 from __future__ import annotations
@@ -22,72 +22,11 @@ import contextlib
 import time
 from collections import defaultdict
 
-# part -> [(module path, attribute)] whose calls are that part's time
-_HOOKS: dict[str, list[tuple[str, str]]] = {
-    "linear": [("kvstate.kernels.fused", "linear"), ("kvstate.kernels.linear_module", "linear")],
-    "recurrent": [("kvstate.layers.recurrence", "_decode"), ("kvstate.kernels.decode", "gdn_decode")],
-    "conv": [("kvstate.layers.recurrence", "causal_conv1d_update"), ("kvstate.kernels.decode", "conv_update")],
-    "attention": [("kvstate.layers.attention", "paged_attention"), ("kvstate.layers.attention", "write_kv"),
-                  ("kvstate.kernels.decode", "attention_decode")],
-    # the residual add fused into a norm: its kernel call (without it, add_forward runs forward)
-    "norm": [("kvstate.layers.norm.RMSNorm", "forward"), ("kvstate.kernels.decode", "add_rms_norm"),
-             ("kvstate.layers.norm.GatedRMSNorm", "forward")],
-    "rotary": [("kvstate.layers.rope.Rotary", "forward")],
-    "compiled blocks": [("kvstate.models.decode_blocks", "run")],
-    "sampling": [("kvstate.engine.runner", "sample")],
-    "model": [("kvstate.models.decoder.HybridDecoder", "forward")],
-    "runner": [("kvstate.engine.runner.ModelRunner", "execute")],
-}
+from kvstate import profiling
+
 PARTS = ("linear", "recurrent", "conv", "attention", "norm", "rotary", "compiled blocks", "model other", "sampling",
          "runner other", "engine other")
 _INNER = ("linear", "recurrent", "conv", "attention", "norm", "rotary", "compiled blocks")
-
-
-def _owner(path: str):
-    """The module or class at a dotted path."""
-    import importlib
-
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError:
-        module, _, name = path.rpartition(".")
-        return getattr(importlib.import_module(module), name)
-
-
-@contextlib.contextmanager
-def timed(totals: dict[str, float]):
-    """Inside the block, calls of the hooked functions add their seconds to totals[part]."""
-    saved = []
-    for part, targets in _HOOKS.items():
-        for path, attr in targets:
-            owner = _owner(path)
-            fn = getattr(owner, attr)
-            saved.append((owner, attr, fn))
-            setattr(owner, attr, _timer(fn, part, totals))
-    rec = _owner("kvstate.layers.recurrence")  # its mode table holds the function itself: point it at the timer
-    saved.append((rec._RUN, "decode", rec._RUN["decode"]))
-    rec._RUN["decode"] = rec._decode
-    try:
-        yield totals
-    finally:
-        for owner, attr, fn in reversed(saved):
-            if isinstance(owner, dict):
-                owner[attr] = fn
-            else:
-                setattr(owner, attr, fn)
-
-
-def _timer(fn, part: str, totals: dict[str, float]):
-    clock = time.perf_counter
-
-    def wrapper(*args, **kwargs):
-        t0 = clock()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[part] += clock() - t0
-
-    return wrapper
 
 
 def profile_decode(llm, prompts: list[list[int]], steps: int, per_op: bool = False) -> dict:
@@ -111,7 +50,7 @@ def _profile(llm, prompts: list[list[int]], steps: int) -> dict:
     core.step()  # prefill and the first token, not timed
     raw: dict[str, float] = defaultdict(float)
     total = 0.0
-    with timed(raw):
+    with profiling.collect(raw):
         for _ in range(steps):
             t0 = time.perf_counter()
             core.step()

@@ -112,8 +112,8 @@ def _print(r: dict, tp: int) -> None:
                   title_justify="left")
     for col in ("", "TP 1 tok/s", f"TP {tp} tok/s", f"TP {tp} / TP 1"):
         table.add_column(col, justify="left" if not col else "right")
-    table.add_row(f"prefill ({r['prefill_len']} tokens)", f"{r['tp1']['prefill_tok_s']:.1f}", f"{p['prefill_tok_s']:.1f}",
-                  f"{r['prefill_ratio']:.2f}x")
+    table.add_row(f"prefill ({r['prefill_len']} tokens)", f"{r['tp1']['prefill_tok_s']:.1f}",
+                  f"{p['prefill_tok_s']:.1f}", f"{r['prefill_ratio']:.2f}x")
     table.add_row(f"decode (batch {r['batch']})", f"{r['tp1']['decode_tok_s']:.1f}", f"{p['decode_tok_s']:.1f}",
                   f"{r['decode_ratio']:.2f}x")
     console = make_console()

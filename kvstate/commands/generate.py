@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "model's name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap each prompt as a user message in the checkpoint's chat template")
-    parser.add_argument("--system", default=None, metavar="TEXT", help="system message of the chat template (needs --chat)")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="system message of the chat template (needs --chat)")
     parser.add_argument("--max-tokens", type=count_arg, default=64, metavar="N",
                         help="most tokens to generate per prompt (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",

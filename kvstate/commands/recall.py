@@ -14,9 +14,12 @@ import importlib
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("kvstate.recall.cli_train", "train one tiny two-layer model on MQAR or phonebook (CPU, resumable)"),
     "sweep": ("kvstate.recall.cli_sweep", "train a grid of mixers x pairs x state sizes; JSON results and plots"),
-    "phonebook": ("kvstate.recall.cli_phonebook", "exact phonebook recall vs book size through the engine, with KV and state bytes"),
-    "capacity": ("kvstate.recall.cli_capacity", "write N random pairs into one head's state (linear attention, gated, delta rule) and read them back"),
-    "train-default": ("kvstate.recall.cli_train_default", "train the two shipped models (kvstate-phonebook-hybrid, -linear)"),
+    "phonebook": ("kvstate.recall.cli_phonebook",
+                  "exact phonebook recall vs book size through the engine, with KV and state bytes"),
+    "capacity": ("kvstate.recall.cli_capacity",
+                 "write N random pairs into one head's state (linear attention, gated, delta rule) and read them back"),
+    "train-default": ("kvstate.recall.cli_train_default",
+                      "train the two shipped models (kvstate-phonebook-hybrid, -linear)"),
 }
 
 

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from kvstate.server.app import create_app
+        from kvstate.server.app import create_app  # noqa: F401 - only whether the serve extra is installed
     except ImportError as exc:
         raise KvstateError(f"kvstate serve needs the serve extra ({exc.name} is missing): "
                            f"pip install 'kvstate[serve]'") from None

@@ -15,7 +15,6 @@ import json
 import math
 from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 TABLE = "config_defaults.json"

@@ -8,8 +8,9 @@ this package's top level.
 One engine step (`EngineCore.step`, engine/core.py):
 
     step = scheduler.schedule()                     # which sequences compute how many tokens
-    out = runner.execute(step)                      # slot copies, Batch.build, model, sample
-    finished = scheduler.postprocess(step, out.token_ids)
+    out = runner.execute(step)                      # slot copies, Batch.from_spec, model, sample
+    finished, kept = scheduler.postprocess(step, out.token_ids)
+    runner.keep(kept)                               # speculative decoding: roll states back
     -> one EngineOutput per request that changed: new tokens, new text, finished, RequestOutput
 
 `LLM` (kvstate/llm.py) is the user API over it: it routes each output to the request's collector.

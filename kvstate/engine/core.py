@@ -202,9 +202,9 @@ class EngineCore:
                 self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
         want = any(p.logprobs is not None for p in step.sample_params())
         logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
-        finished = self.scheduler.postprocess(step, out.token_ids, logprobs)
+        finished, kept = self.scheduler.postprocess(step, out.token_ids, logprobs)
         if self.proposer is not None:  # roll verified states back, count, draft for the next step
-            self.runner.keep(step)
+            self.runner.keep(kept)
             self.proposer.record(step, out.token_ids)
             self.proposer.release([*finished, *step.preempted])
             self.proposer.propose(self.scheduler.running)

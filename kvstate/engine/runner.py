@@ -22,7 +22,15 @@ from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
 from kvstate.engine.speculative.rejection import sample_step
 from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
-from kvstate.models.batch import Batch
+from kvstate.models.batch import Batch, BatchSpec
+from kvstate.profiling import timed
+
+
+def batch_spec(step) -> BatchSpec:
+    """The model's view of a scheduled step (models/ knows nothing of the scheduler's field names)."""
+    return BatchSpec(query_lens=list(step.num_tokens), context_lens=list(step.context_lens),
+                     state_slots=list(step.state_slots), block_tables=[list(t) for t in step.block_tables],
+                     block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices)
 
 
 class ModelRunner:
@@ -67,24 +75,26 @@ class ModelRunner:
                         t[dst].copy_(t[src])
 
     @torch.inference_mode()
-    def run(self, step) -> torch.Tensor:
-        """Run a SchedulerOutput's forward; returns logits [len(step.sample_indices), vocab] (fp32)."""
+    def run(self, spec: BatchSpec, input_ids: list[int]) -> torch.Tensor:
+        """Run one step's forward over its packed `input_ids`; returns logits [len(spec.sample_rows), vocab] (fp32)."""
         device = self.model.device
-        batch = Batch.build(**step.batch_args(), sample_rows=step.sample_indices, device=device)
-        ids = torch.tensor(step.input_ids(), dtype=torch.int64, device=device)
+        batch = Batch.from_spec(spec, device=device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         with small_ops_serial() if batch.decode_only and self.serial_small_ops else contextlib.nullcontext():
             logits = self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
         self.rollback = batch if batch.rollback else None
         return logits
 
     @torch.inference_mode()
-    def keep(self, step) -> None:
+    def keep(self, kept: dict[int, int]) -> None:
         """After postprocess: each verify entry's linear layers keep the state after the tokens it
-        kept (`step.kept`), not after all its drafts (speculative decoding's rollback)."""
+        kept (`kept`: entry -> tokens, from postprocess), not after all its drafts (speculative
+        decoding's rollback)."""
         if self.rollback is not None:
-            keep_states(self.rollback, step.kept)
+            keep_states(self.rollback, kept)
             self.rollback = None
 
+    @timed("runner")
     def execute(self, step) -> SampleOutput:
         """One scheduled step: drop the sampling state of finished requests, carry out the state-slot
         copies, run the forward, and sample one token per entry that caught up (`step.sample_indices`)."""
@@ -93,7 +103,7 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         if step.is_empty:
             return SampleOutput([], [], [])
-        logits = self.run(step)
+        logits = self.run(batch_spec(step), step.input_ids())
         seqs, params = step.sample_seqs(), step.sample_params()
         history = None
         if any(p.penalties for p in params):

@@ -24,6 +24,7 @@ import torch
 
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.penalties import apply_penalties
+from kvstate.profiling import timed
 
 
 @dataclass
@@ -157,6 +158,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
+@timed("sampling")
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list | None = None, *,
            generator: torch.Generator | None = None, history: tuple[list, list] | None = None) -> SampleOutput:
     """One token per row of logits [B, V]. `generators[i]`: row i's own generator (or None);

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.engine.detokenizer import IncrementalDetokenizer
@@ -81,6 +81,14 @@ class SchedulerConfig:
         if self.num_blocks < 0:
             raise ValueError(f"SchedulerConfig.num_blocks must be >= 0, got {self.num_blocks}")
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+
+
+class StepResult(NamedTuple):
+    """What `postprocess` recorded: the sequences finished or rejected since the last call, and per
+    verify entry the tokens it kept (entry -> count), which the runner's rollback needs."""
+
+    finished: list[Sequence]
+    kept: dict[int, int]
 
 
 class Scheduler:
@@ -242,9 +250,10 @@ class Scheduler:
 
     # results -------------------------------------------------------------------------------
     def postprocess(self, step: SchedulerOutput, token_ids: list[int], logprobs: list | None = None
-                    ) -> list[Sequence]:
+                    ) -> StepResult:
         """Record a step: `token_ids[j]` (and `logprobs[j]`) is the token sampled for entry
-        `step.sample_indices[j]`. Returns the sequences finished or rejected since the last call."""
+        `step.sample_indices[j]`. Returns the sequences finished or rejected since the last call and
+        the tokens each verify entry kept."""
         if step is not self._pending:
             raise RuntimeError("postprocess() got a step that is not the one last scheduled")
         rows = step.sample_indices
@@ -253,6 +262,7 @@ class Scheduler:
         self._pending = None
         now = self.clock()
         sampled = dict(zip(rows, range(len(rows))))
+        kept: dict[int, int] = {}
         for i, (seq, n) in enumerate(step.entries):
             if seq in self._flushing:  # a finished reply's last token is in the cache: keep its end
                 self._flushing.remove(seq)
@@ -262,7 +272,7 @@ class Scheduler:
             if seq.status is not RUNNING:  # aborted after scheduling
                 continue
             if i in step.drafts:
-                self._accept(seq, i, step, token_ids[sampled[i]], now)
+                kept[i] = self._accept(seq, i, step, token_ids[sampled[i]], now)
                 continue
             seq.num_computed_tokens += n
             if self.prefix is not None:
@@ -281,7 +291,7 @@ class Scheduler:
             if stop is not None:
                 self._finish(seq, *stop, now)
         out, self._outbox = self._outbox, []
-        return out
+        return StepResult(out, kept)
 
     def _stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
         p = seq.params
@@ -333,11 +343,12 @@ class Scheduler:
         self._release(seq)
 
     # speculative decoding: the outcome of a verify entry -------------------------------------
-    def _accept(self, seq: Sequence, i: int, step: SchedulerOutput, tokens: list[int], now: float) -> None:
+    def _accept(self, seq: Sequence, i: int, step: SchedulerOutput, tokens: list[int], now: float) -> int:
         """Entry i verified seq's last known token and its drafts; `tokens` are the accepted drafts and
         the token sampled after them. They are appended one by one up to a stop; the computed tokens
-        are those before the last appended one (`step.kept[i]` of this entry's, for the runner's
-        rollback of the linear layers), and the KV blocks past them (rejected drafts) are freed."""
+        are those before the last appended one, and the KV blocks past them (rejected drafts) are
+        freed. Returns how many of this entry's tokens were kept (for the runner's rollback of the
+        linear layers)."""
         start = seq.num_computed_tokens
         seq.num_draft_tokens += len(step.drafts[i])
         seq.num_accepted_tokens += len(tokens) - 1
@@ -351,7 +362,7 @@ class Scheduler:
             stop = self._stop(seq, int(token))
             if stop is not None:
                 break
-        step.kept[i] = seq.num_computed_tokens - start
+        kept = seq.num_computed_tokens - start
         if self.prefix is not None:
             self.prefix.computed(seq, now)
         extra = seq.block_table[self.blocks.blocks_for(seq.num_computed_tokens):]
@@ -359,3 +370,4 @@ class Scheduler:
         self.blocks.free(extra)
         if stop is not None:
             self._finish(seq, *stop, now)
+        return kept

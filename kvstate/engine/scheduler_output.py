@@ -2,8 +2,8 @@
 
     step = scheduler.schedule()
     out = runner.execute(step)           # drop finished requests' sampling state, copy state
-                                         # slots, Batch.build(**step.batch_args()), model, sample
-    finished = scheduler.postprocess(step, out.token_ids)
+                                         # slots, build the model's Batch, model, sample
+    finished, kept = scheduler.postprocess(step, out.token_ids)
 
 Every entry computes at least one token, so with one logits row per entry, row i belongs to
 entry i. Only entries whose cache catches up with their known tokens this step (`samples[i]`)
@@ -38,9 +38,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # KV blocks (src, dst) before the forward
     finished_request_ids: list[object] = field(default_factory=list)  # since the previous step
     # speculative decoding: entry -> its drafts (a "verify" entry computes the last known token and
-    # them, every row sampled); entry -> tokens it keeps, set by postprocess for the runner's rollback
+    # them, every row sampled)
     drafts: dict[int, list[int]] = field(default_factory=dict)
-    kept: dict[int, int] = field(default_factory=dict)
 
     def add(self, seq: Sequence, n: int, sample: bool | None = None) -> None:
         """`sample=False`: computed but not sampled from (a finished reply's last token, for its snapshot)."""
@@ -86,15 +85,12 @@ class SchedulerOutput:
     def sample_seqs(self) -> list[Sequence]:
         return [self.seqs[i] for i in self.sample_indices]
 
-    def batch_args(self) -> dict:
-        """Keyword arguments of `Batch.build` for this step."""
-        args = {"query_lens": list(self.num_tokens), "context_lens": list(self.context_lens),
-                "state_slots": list(self.state_slots), "block_tables": [list(t) for t in self.block_tables],
-                "block_size": self.block_size}
-        if self.drafts:
-            args["modes"] = ["verify" if i in self.drafts else "decode" if n == 1 else "prefill"
-                             for i, n in enumerate(self.num_tokens)]
-        return args
+    def modes(self) -> list[str] | None:
+        """Each entry's mode when the step verifies drafts; None: the default (decode for one token)."""
+        if not self.drafts:
+            return None
+        return ["verify" if i in self.drafts else "decode" if n == 1 else "prefill"
+                for i, n in enumerate(self.num_tokens)]
 
     def input_ids(self) -> list[int]:
         """The packed token ids the step feeds, sequence after sequence."""

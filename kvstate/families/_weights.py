@@ -44,8 +44,8 @@ COMMON_RULES: Rules = (
     (r"layers\.(\d+)\.mlp\.experts\.down_proj", r"layers.\1.ffn.experts.down"),
 )
 
-_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|feed_forward|mixer)\.experts\.(\d+)\.(gate_proj|up_proj|w1|w3|down_proj|w2)"
-                     r"\.weight")
+_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|feed_forward|mixer)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight")
 
 
 def strip_prefix(name: str, prefixes: Sequence[str]) -> str:

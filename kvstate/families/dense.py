@@ -2,7 +2,8 @@
 
 They share the standard fields (num_attention_heads, num_key_value_heads, optional head_dim,
 intermediate_size). The MoE variants among them (mixtral, qwen2_moe, qwen3_moe) route every
-FFN to experts (except `mlp_only_layers` and layers off `decoder_sparse_step`). Sliding windows are not modelled: every layer keeps the whole context.
+FFN to experts (except `mlp_only_layers` and layers off `decoder_sparse_step`). Sliding windows
+are not modelled: every layer keeps the whole context.
 """
 
 from __future__ import annotations

@@ -17,16 +17,13 @@ import torch
 from kvstate.kernels import _ext
 from kvstate.kernels.dispatch import _DEFAULT, _forced
 from kvstate.kernels.threads import _wide
+from kvstate.profiling import timed
 
 MAX_ROWS = 64
 # Bytes a call streams from which it gets all threads inside `small_ops_serial`: recurrent state
-# (read and written) and KV rows (read). Measured on the 0.5b model at batch 8 (8 MiB of GDN state
-# and ~4.6 MiB of KV per layer), 2 threads, one process, load average ~4 from other work: the GDN
-# state update 1.7x faster on both threads, attention 1.6x, the step 1.06x. (An earlier busy-machine
-# run found batch 8 slower with 4 MiB; the old threshold, 64 MiB, kept batch 8 on one thread.)
-# At batch 1 (1 MiB of state, ~0.6 MiB of KV per layer), quiet machine, compiled blocks, bf16
-# weights, five alternating runs each: a step took 58.0 / 60.3 ms with both on one thread and
-# 56.3 / 57.9 ms with both wide (the older 4 MiB / 1 MiB thresholds kept batch 1 on one thread).
+# (read and written) and KV rows (read). From a quarter MiB the second thread's share of the bytes
+# outweighs waking it: the 0.5b model's steps are faster with these calls wide at batch 1 and 8
+# (docs/benchmarks.md, "Kernel history").
 WIDE_STATE_BYTES = 256 << 10
 WIDE_KV_BYTES = 256 << 10
 
@@ -87,6 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return ext.rms_norm(x, weight, eps, offset)
 
 
+@timed("norm")
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0):
     """(x + delta, rms_norm(x + delta)) for x, delta [T, D] (a residual add and the next norm), or None."""
     ext = _ext_for(x.shape[0], x, delta, weight)
@@ -141,6 +139,7 @@ def gdn_recurrent(q, k, v, g, beta, *, pool: torch.Tensor, slots: torch.Tensor, 
                       dk**-0.5 if scale is None else float(scale), l2)
 
 
+@timed("recurrent")
 def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, conv_pool: torch.Tensor,
                conv_weight: torch.Tensor, state_pool: torch.Tensor, group, A_log: torch.Tensor,
                dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
@@ -174,6 +173,7 @@ def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
                       num_k_heads)
 
 
+@timed("attention")
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, q_norm,
                      k_norm, rotary, batch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      scale: float) -> torch.Tensor | None:

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 
 from kvstate.kernels import _ext
 from kvstate.kernels.threads import _wide
+from kvstate.profiling import timed
 
-# Measured on the bench machine (one thread, 1024 x 3584 weights): with fp32 weights the kernel
-# beats F.linear 2.4x at 8 rows, 1.3x at 32, and ties at 64. With bf16 weights torch must first
-# upcast them (or use its slow bf16 GEMM): the kernel is 3.5x faster at 32 rows, 2.4x at 64 (one
-# call: the AMX path streams the weights once for any number of rows).
+# Up to these rows the kernel beats F.linear: with fp32 weights the gain shrinks to a tie at 64 rows;
+# with bf16 weights torch must first upcast them (or use its slow bf16 GEMM), so the kernel stays
+# well ahead at 64 (one call: the AMX path streams the weights once for any number of rows)
+# (docs/benchmarks.md, "Kernel history").
 MAX_ROWS = 32
 MAX_ROWS_BF16 = 64
 CHOICES = ("auto", "torch", "amx", "avx512", "avx2")
@@ -95,6 +96,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return True
 
 
+@timed("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., N] = x[..., K] @ weight[N, K]^T + bias, weight float32, bfloat16 or int8 (times its

@@ -1,9 +1,8 @@
 """Big tensors on transparent huge pages: the weights a decode step streams, and the state pools.
 
 A batch-1 decode step streams every weight matrix once. With 4 KiB pages that is ~270,000 pages
-per GiB, and the TLB misses of the walk cost bandwidth: on the 0.5b bench model's machine (Xeon,
-2 threads, bf16 weights) the GEMV kernel streams 17.3 GB/s from ordinary pages and 21 GB/s from
-2 MiB pages, over the same bytes (README, "Benchmarks"). Linux backs an anonymous mapping with huge
+per GiB, and the TLB misses of the walk cost bandwidth: the GEMV kernel streams the same bytes
+faster from 2 MiB pages (docs/benchmarks.md, "Kernel history"). Linux backs an anonymous mapping with huge
 pages when it is advised to (`madvise(MADV_HUGEPAGE)`: transparent huge pages in "madvise" or
 "always" mode), so `arena(nbytes)` maps such a region and hands it out as a torch tensor, and
 `place_weights(model)` moves the model's matrices into one (fused groups, tied tensors and the

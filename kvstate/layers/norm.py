@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.kernels import decode as kdecode
+from kvstate.profiling import timed
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,6 +30,7 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
+    @timed("norm")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kdecode.rms_norm(x, self.weight, self.eps, self.offset)
         if y is not None:
@@ -62,6 +64,7 @@ class GatedRMSNorm(nn.Module):
         self.act = _GATES[activation]
         self.weight = nn.Parameter(torch.ones(dim))
 
+    @timed("norm")
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.norm_before_gate and self.activation == "silu" and self.group_size == x.shape[-1]:
             y = kdecode.gated_rms_norm(x, gate, self.weight, self.eps)

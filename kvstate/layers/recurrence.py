@@ -25,6 +25,7 @@ import torch
 
 from kvstate.kernels import decode as kdecode
 from kvstate.ops import causal_conv1d, causal_conv1d_update
+from kvstate.profiling import timed
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
     return _scatter(parts, x.shape[0])
 
 
+@timed("conv")
 def _conv_decode(x: torch.Tensor, pool: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tensor | None,
                  activation: str | None) -> torch.Tensor:
     """One token per entry: the compiled step shifts the pool's windows in place, or torch on a copy."""
@@ -154,6 +156,7 @@ def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs:
     return o
 
 
+@timed("recurrent")
 def _decode(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
     """One token per sequence, [n, 1, ...], through the recurrent op, which updates the pool's rows itself."""
     xs = {name: t[group.rows].unsqueeze(1) for name, t in tokens.items()}

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvstate.errors import KvstateError
+from kvstate.profiling import timed
 
 SUPPORTED = ("default", "linear", "llama3")
 
@@ -52,6 +53,7 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         return emb.cos(), emb.sin()
 
+    @timed("rotary")
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.cos_sin(positions)
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)

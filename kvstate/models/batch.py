@@ -14,10 +14,11 @@ token; the linear layers leave those states in `rollback` and the engine keeps t
 accepted length once it is known (`kvstate.layers.recurrence.keep_states`). Attention treats a
 verify entry as a prefill chunk.
 
-Host-side lengths are plain lists computed once; every tensor lives on the model's device
-(`Batch.build(..., device=)`). The model returns logits only for `sample_rows`: the last token of
-the entries whose next token is sampled (every token of a verify entry: each row judges one
-draft), or with logits="all" every token, for tests/analysis.
+`BatchSpec` is a step as plain host lists (what the engine hands over, and what crosses to TP
+ranks); `Batch.from_spec` builds from it. Host-side lengths are plain lists computed once; every
+tensor lives on the model's device (`Batch.build(..., device=)`). The model returns logits only
+for `sample_rows`: the last token of the entries whose next token is sampled (every token of a
+verify entry: each row judges one draft), or with logits="all" every token, for tests/analysis.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ class StateGroup:
     cu_seqlens: torch.Tensor  # [n + 1] int64, packed offsets within the group's tokens
     slots: torch.Tensor  # [n] int64, state slot of each entry
     fresh_slots: torch.Tensor | None  # [f] int64, slots of entries with an empty cache (start from zeros)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One step's entries as host lists (no tensors): the arguments of `Batch.build`, by name."""
+
+    query_lens: list[int]  # new tokens per entry
+    context_lens: list[int]  # tokens cached before this step
+    state_slots: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    modes: list[str] | None = None  # None: "decode" for one new token, else "prefill"
+    sample_rows: list[int] | None = None  # None: every entry
 
 
 @dataclass
@@ -79,6 +93,11 @@ class Batch:
     def decode_only(self) -> bool:
         """Every entry is a decode (one token through the recurrent op / the absorbed MLA form)."""
         return all(m == "decode" for m in self.modes)
+
+    @classmethod
+    def from_spec(cls, spec: BatchSpec, *, device=None) -> "Batch":
+        return cls.build(spec.query_lens, spec.context_lens, spec.state_slots, spec.block_tables, spec.block_size,
+                         sample_rows=spec.sample_rows, modes=spec.modes, device=device)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], state_slots: list[int],

@@ -2,8 +2,8 @@
 
 A block of a decode-only step is ~8 kernel calls (norms, the fused projections, the mixer, the
 MLP) and the Python between them. After each weight-streaming GEMV the CPU caches hold weights, so
-that Python runs cold: on the 0.5b bench model's machine three tensor views cost 9 us warm and
-48 us after a 20 MB GEMV, and a batch-1 step (24 blocks) spent ~8 ms of ~75 that way. The compiled
+that Python runs cold, several times slower than warm: about a tenth of a batch-1 step
+(docs/benchmarks.md, "Kernel history"). The compiled
 block (csrc/decode_block.cpp) calls the same Tensor-level kernels on the same rows in the same
 order, so its numbers are the per-op path's, bit for bit; only the Python goes.
 
@@ -34,6 +34,7 @@ from kvstate.layers.gated_deltanet import GatedDeltaNet
 from kvstate.layers.mlp import GatedMLP
 from kvstate.layers.norm import RMSNorm
 from kvstate.layers.recurrence import clear_fresh
+from kvstate.profiling import timed
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstate_per_op_blocks", default=False)
 _WEIGHTS = (torch.float32, torch.bfloat16, torch.int8)
@@ -59,6 +60,7 @@ def for_step(model, batch) -> list | None:
     return plans[0] if any(p is not None for p in plans[0]) else None
 
 
+@timed("compiled blocks")
 def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
     """The block as one call: (x + delta, its output delta), like `Block.forward_pending`.
     `entry`: (kind, compiled block) from the plan."""

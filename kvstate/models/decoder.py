@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvstate.models import decode_blocks
+from kvstate.profiling import timed
 
 
 class Block(nn.Module):
@@ -75,6 +76,7 @@ class HybridDecoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @timed("model")
     def forward(self, input_ids: torch.Tensor, batch, caches: list) -> torch.Tensor:
         """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices only
         (the last token of each sampled entry): mid-prefill rows never reach the LM head."""

@@ -2,10 +2,9 @@
 
 Why: the chunk and decode forms of the delta family are sequential loops of small ops (one
 chunk's matmuls, one state block's update). Intra-op threads split each small op and mostly wait
-on each other: on 2 cores the chunked gated delta rule ran only 1.2x faster with 2 intra-op
-threads than with 1, and on a loaded machine a decode step ran 100x slower. The pieces, though,
-are independent (key-head groups, state blocks), and torch releases the GIL inside its ops, so
-W Python threads with one torch thread each keep W cores busy (1.9x on 2 cores). Workers write
+on each other (barely faster on 2 cores, far slower on a loaded machine: docs/benchmarks.md).
+The pieces, though, are independent (key-head groups, state blocks), and torch releases the GIL
+inside its ops, so W Python threads with one torch thread each keep W cores busy. Workers write
 into disjoint views of shared, preallocated outputs.
 
 Inside `scope`, the workers and the calling thread run torch single-threaded (OpenMP's and MKL's

@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvstate.profiling import timed
 
+
+@timed("attention")
 def write_kv(cache: torch.Tensor, new: torch.Tensor, kv_indices: torch.Tensor) -> None:
     """cache [num_blocks, block_size, *rest] <- new [T, *rest] at flat rows kv_indices [T]."""
     cache.view(-1, *cache.shape[2:]).index_copy_(0, kv_indices, new.to(cache.dtype))
@@ -31,6 +34,7 @@ def gather_kv(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Te
     return cache[ids].reshape(-1, *cache.shape[2:])[:length]
 
 
+@timed("attention")
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch, *,
                     scale: float, fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D] (already rotated) -> o [T, H, Dv], reading K/V of every sequence from the pool.

@@ -25,25 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstate.engine.runner import ModelRunner
+from kvstate.engine.runner import ModelRunner, batch_spec
+from kvstate.models.batch import BatchSpec
 from kvstate.parallel.comm import DEFAULT_TIMEOUT, RankFailure, TPGroup, free_port
 
 
 @dataclass
 class StepData:
-    """What a worker needs of a SchedulerOutput (plain lists; the same methods the runner calls)."""
+    """What a worker needs of a SchedulerOutput (plain lists)."""
 
-    args: dict | None  # Batch.build's host lists, None for a step without a forward
+    spec: BatchSpec | None  # the model's host lists, None for a step without a forward
     ids: list[int] = field(default_factory=list)
-    sample_indices: list[int] = field(default_factory=list)
     slot_copies: list = field(default_factory=list)
     block_copies: list = field(default_factory=list)
-
-    def batch_args(self) -> dict:
-        return self.args
-
-    def input_ids(self) -> list[int]:
-        return self.ids
 
 
 @dataclass
@@ -68,15 +62,15 @@ class TPRunner(ModelRunner):
 
     def execute(self, step):
         if not step.is_empty or step.slot_copies or step.block_copies:
-            self._send(StepData(None if step.is_empty else step.batch_args(),
-                                [] if step.is_empty else step.input_ids(), list(step.sample_indices),
+            self._send(StepData(None if step.is_empty else batch_spec(step),
+                                [] if step.is_empty else step.input_ids(),
                                 list(step.slot_copies), list(step.block_copies)))
         return super().execute(step)
 
-    def keep(self, step) -> None:
+    def keep(self, kept: dict[int, int]) -> None:
         if self.rollback is not None:
-            self._send(KeepData(dict(step.kept)))
-        super().keep(step)
+            self._send(KeepData(dict(kept)))
+        super().keep(kept)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers (they leave their loop) and wait for their processes; once."""
@@ -102,12 +96,12 @@ def worker_loop(group: TPGroup, model) -> ModelRunner:
     runner = ModelRunner(model, model.plan, **kwargs)
     while (msg := group.broadcast_object()) is not None:
         if isinstance(msg, KeepData):
-            runner.keep(msg)
+            runner.keep(msg.kept)
             continue
         runner.copy_slots(msg.slot_copies)
         runner.copy_blocks(msg.block_copies)
-        if msg.args is not None:
-            runner.run(msg)
+        if msg.spec is not None:
+            runner.run(msg.spec, msg.ids)
     return runner
 
 

@@ -212,7 +212,8 @@ def _fill(file: Path, family, plan, cuts, params, filled) -> None:
             part, whole = f.get_slice(key), None
             for t in targets:
                 if t.name not in params:
-                    raise KvstateError(f"{file.name}: tensor {key!r} maps to {t.name!r}, which this model does not have")
+                    raise KvstateError(f"{file.name}: tensor {key!r} maps to {t.name!r}, "
+                                       "which this model does not have")
                 cut = cuts.get(t.name)
                 if cut is None:  # replicated: the whole tensor (read once for all its targets)
                     whole = f.get_tensor(key) if whole is None else whole

@@ -108,7 +108,8 @@ def shard_plan(plan: ModelPlan, tp: int, rank: int = 0) -> ModelPlan:
         mixers = tuple(_local_mixer(m, tp) for m in layer.mixers)
         ffn = _local_ffn(layer.ffn, tp)
         for m, loc in zip(layer.mixers, mixers):
-            cut["attention" if isinstance(m, (AttentionSpec, MLASpec)) else "linear"] += m.params(hidden) - loc.params(hidden)
+            kind = "attention" if isinstance(m, (AttentionSpec, MLASpec)) else "linear"
+            cut[kind] += m.params(hidden) - loc.params(hidden)
         (mlp, moe), (mlp_l, moe_l) = layer.ffn.params(hidden), ffn.params(hidden)
         router_kept = hidden * (layer.ffn.num_experts - ffn.num_experts)  # the router stays whole
         cut["mlp"] += mlp - mlp_l

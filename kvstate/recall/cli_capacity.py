@@ -73,8 +73,8 @@ def _print_table(rows, args) -> None:
     for name in ("key dim", "pairs", "mixer", "accuracy", "newest 1/4", "oldest 1/4", "cosine"):
         table.add_column(name, justify="left" if name == "mixer" else "right")
     for r in rows:
-        table.add_row(str(r.key_dim), str(r.pairs), mixer_label(r), f"{r.accuracy:.1%}", f"{r.newest:.1%}", f"{r.oldest:.1%}",
-                      f"{r.cosine:.3f}")
+        table.add_row(str(r.key_dim), str(r.pairs), mixer_label(r), f"{r.accuracy:.1%}", f"{r.newest:.1%}",
+                      f"{r.oldest:.1%}", f"{r.cosine:.3f}")
     console = make_console()
     console.print(table)
     console.print(f"{args.trials} random sets of unit keys and values per row (seed {args.seed}); a read is right when "

@@ -91,8 +91,8 @@ def _bar(console, name: str, total: int, *, enabled: bool):
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-        with Progress(TextColumn(f"phonebook {name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[at]}"),
-                      console=console, transient=True) as progress:
+        with Progress(TextColumn(f"phonebook {name}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[at]}"), console=console, transient=True) as progress:
             task = progress.add_task("sizes", total=total, at="")
             yield lambda entries: progress.update(task, advance=1, at=f"{entries} entries done")
 

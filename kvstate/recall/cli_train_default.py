@@ -4,8 +4,8 @@ The two models train at once, each in its own process on one CPU thread (tiny ma
 nothing from a second thread; two processes use both cores fully), seeded, so a rerun gives the
 same weights. A rich progress bar per model shows its running loss and exact-answer accuracy;
 at the end two tables give each model's phonebook accuracy at 1 to 64 entries and its exact
-repeats of passages of 4, 16 and 64 words (teacher-forced argmax, which equals greedy decoding). The checkpoints go to the package's
-kvstate/data/models/<name>/ unless `--out DIR` says otherwise.
+repeats of passages of 4, 16 and 64 words (teacher-forced argmax, which equals greedy decoding).
+The checkpoints go to the package's kvstate/data/models/<name>/ unless `--out DIR` says otherwise.
 """
 
 from __future__ import annotations

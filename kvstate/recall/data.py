@@ -17,7 +17,8 @@ CHAR_VOCAB = 128
 EVAL_SEED_OFFSET = 1_000_003  # held-out sets are drawn from seeds no train set uses
 
 
-def phonebook_task(num_examples: int, entries: int, *, queries: int = 4, digits: int = 4, seed: int = 0) -> tasks.TokenTask:
+def phonebook_task(num_examples: int, entries: int, *, queries: int = 4, digits: int = 4,
+                   seed: int = 0) -> tasks.TokenTask:
     rng = np.random.default_rng(seed)
     rows, answer_at = [], []
     for _ in range(num_examples):

@@ -56,16 +56,19 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
         if kind == "linear_attention":
-            shapes.update({p + "linear_attn.in_proj_qkv.weight": (conv_dim, h), p + "linear_attn.in_proj_z.weight": (nv * dv, h),
+            shapes.update({p + "linear_attn.in_proj_qkv.weight": (conv_dim, h),
+                           p + "linear_attn.in_proj_z.weight": (nv * dv, h),
                            p + "linear_attn.in_proj_b.weight": (nv, h), p + "linear_attn.in_proj_a.weight": (nv, h),
                            p + "linear_attn.conv1d.weight": (conv_dim, 1, cfg["linear_conv_kernel_dim"]),
                            p + "linear_attn.A_log": (nv,), p + "linear_attn.dt_bias": (nv,),
                            p + "linear_attn.norm.weight": (dv,), p + "linear_attn.out_proj.weight": (h, nv * dv)})
         else:  # q_proj also gives the output gate: 2 * heads * head_dim rows
-            shapes.update({p + "self_attn.q_proj.weight": (2 * heads * hd, h), p + "self_attn.k_proj.weight": (kv * hd, h),
+            shapes.update({p + "self_attn.q_proj.weight": (2 * heads * hd, h),
+                           p + "self_attn.k_proj.weight": (kv * hd, h),
                            p + "self_attn.v_proj.weight": (kv * hd, h), p + "self_attn.o_proj.weight": (h, heads * hd),
                            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f),
                        p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
     shapes["model.norm.weight"] = (h,)
     if not cfg.get("tie_word_embeddings"):

@@ -35,7 +35,8 @@ class RecallModel(nn.Module):
         super().__init__()
         bad = [c for c in layers if c not in KINDS]
         if not layers or bad:
-            raise KvstateError(f"layer pattern {layers!r}: use the letters {', '.join(f'{k} ({v})' for k, v in KINDS.items())}")
+            letters = ", ".join(f"{k} ({v})" for k, v in KINDS.items())
+            raise KvstateError(f"layer pattern {layers!r}: use the letters {letters}")
         if width < 1 or heads < 1 or width % heads:
             raise KvstateError(f"width {width} must be a positive multiple of heads {heads}")
         self.layers = layers

@@ -73,7 +73,8 @@ class EngineLoop:
         self.llm, self.core = llm, llm.engine
         self.model_name = model_name or getattr(llm.plan, "name", None) or "kvstate"
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[object, tuple[Submission, int]] = {}  # engine request id -> (submission, choice); thread-only
+        # engine request id -> (submission, choice); touched by the engine thread only
+        self._routes: dict[object, tuple[Submission, int]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stats: dict = self.core.stats()  # a snapshot taken by the thread after every step

@@ -81,7 +81,8 @@ def training_note(plan, task: str, size: int) -> str | None:
 
     top = TrainSettings().max_entries
     if task != "phonebook":
-        return f"outside its training: the shipped models learned phone books (1-{top} entries) and copying, never a needle"
+        return (f"outside its training: the shipped models learned phone books (1-{top} entries) and copying, "
+                "never a needle")
     if size > top:
         return f"outside its training: phone books of 1-{top} entries, this one has {size}"
     return None

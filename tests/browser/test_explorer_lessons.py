@@ -60,7 +60,8 @@ def reference_horizons(model, ids: list[int]) -> dict[tuple[int, int], int | Non
     seen, hooks = {}, []
     for i, block in enumerate(model.layers):
         if type(block.mixer).__name__ == "GatedDeltaNet":
-            hooks.append(block.mixer.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0].clone())))
+            hooks.append(block.mixer.register_forward_pre_hook(
+                lambda m, args, i=i: seen.__setitem__(i, args[0].clone())))
     forward_logits(model, [ids])
     for h in hooks:
         h.remove()

@@ -14,6 +14,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from kvstate import LLM, SamplingParams
 from kvstate.cache.spec import cache_spec
 from kvstate.models.generate import greedy_generate
+from tests.arrivals import run_arrivals
 from tests.models.checks import random_ids, redraw_weights
 from tests.models.test_jamba import tiny as tiny_jamba
 from tests.models.test_kimi_linear import make as tiny_kimi
@@ -98,17 +99,7 @@ def test_arrivals_chunked_prefill_and_preemption_give_exact_greedy_tokens(checkp
     core = llm.engine
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     prompts = [random_ids(VOCAB, n, i) for i, n in enumerate(LENGTHS)]
-    added, done, streamed, step = 0, {}, {i: [] for i in range(len(prompts))}, 0
-    while len(done) < len(prompts):
-        if added < len(prompts) and (step == 0 or step % 2 == 0):  # 4 at once, then one every other step
-            for i in range(added, 4 if step == 0 else added + 1):
-                core.add_request(i, prompts[i], greedy)
-            added = 4 if step == 0 else added + 1
-        for out in core.step():
-            streamed[out.request_id] += out.token_ids
-            if out.finished:
-                done[out.request_id] = out.output
-        step += 1
+    done, streamed = run_arrivals(core, prompts, greedy, first=4)  # 4 at once, then one every other step
     assert all(o.finish_reason == "length" for o in done.values())
     kv_layers = llm.runner.cache_spec.kv_bytes_per_token > 0
     if kv_layers:  # a model without KV layers never runs out of blocks

@@ -128,7 +128,8 @@ def test_summary_counts_every_finish_reason():
     line = summary([out(4, "length", 0.05, 0.01), out(2, "stop", 0.02, 0.03), out(4, "length", 0.04, 0.01)], 1.0, peak)
     assert line.startswith("10 tokens in 1.00 s: 60.0 tok/s decode, first token 20 ms;")
     assert line.endswith("(2 length, 1 stop)") and "KV 1 KiB + state 2 KiB" in line
-    assert summary([out(0, "error")], 0.5, peak) == "0 tokens in 0.50 s; cache in use at peak: KV 1 KiB + state 2 KiB (error)"
+    want = "0 tokens in 0.50 s; cache in use at peak: KV 1 KiB + state 2 KiB (error)"
+    assert summary([out(0, "error")], 0.5, peak) == want
 
 
 def test_every_option_has_help_and_its_default():

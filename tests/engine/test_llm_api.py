@@ -83,11 +83,13 @@ def test_stream_never_shows_the_stop_string(llm):
 
 def test_streamed_text_is_the_final_text(llm):
     for prompt in ("hybrid models", "unseen wörds ✓"):
-        shown = ""
+        shown, finals = "", []
         for ev in llm.stream(prompt, greedy(20)):
             shown += ev.text
             if ev.finished:
-                assert shown == ev.output.text == llm.tokenizer.decode(ev.output.token_ids)
+                finals.append(ev.output)
+        assert len(finals) == 1, finals  # the stream ends with exactly one finished event
+        assert shown == finals[0].text == llm.tokenizer.decode(finals[0].token_ids)
 
 
 def test_one_bad_prompt_fails_alone(llm):

@@ -12,6 +12,7 @@ import pytest
 
 from kvstate import LLM, SamplingParams
 from kvstate.models.generate import greedy_generate
+from tests.arrivals import run_arrivals
 from tests.engine.test_engine import FAMILIES, VOCAB
 from tests.engine.test_prefix_scheduler import check_prefix_pools
 from tests.models.checks import random_ids
@@ -84,16 +85,7 @@ def test_preemption_under_memory_pressure_stays_exact(path):
     systems = [random_ids(VOCAB, 13, 5), random_ids(VOCAB, 9, 6)]
     prompts = [systems[i % 2] + random_ids(VOCAB, 2 + i % 5, 30 + i) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    done, added, steps = {}, 0, 0
-    while len(done) < len(prompts):
-        if added < len(prompts) and steps % 2 == 0:
-            core.add_request(added, prompts[added], params)
-            added += 1
-        for out in core.step():
-            if out.finished:
-                done[out.request_id] = out.output
-        check_prefix_pools(core.scheduler)
-        steps += 1
+    done, _ = run_arrivals(core, prompts, params, after_step=lambda c: check_prefix_pools(c.scheduler))
     if spec.kv_bytes_per_token:  # a model without KV layers never runs out of blocks
         assert sum(o.metrics["num_preemptions"] for o in done.values()) > 0
     assert core.stats()["prefix_hits"] > 0

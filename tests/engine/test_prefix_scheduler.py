@@ -72,7 +72,7 @@ def run_workload(cfg: SchedulerConfig, seed: int, num_requests: int) -> dict:
         if s.running and rng.random() < 0.02:
             s.abort(rng.choice(s.running).request_id)
         sched = s.schedule()
-        for f in s.postprocess(sched, model.run(sched)):
+        for f in s.postprocess(sched, model.run(sched)).finished:
             assert f.request_id not in done
             done[f.request_id] = f
         check_prefix_pools(s)
@@ -88,8 +88,8 @@ def run_workload(cfg: SchedulerConfig, seed: int, num_requests: int) -> dict:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), block_size=st.sampled_from([1, 2, 3, 4]), num_blocks=st.integers(12, 40),
-       extra_slots=st.integers(0, 4), interval=st.sampled_from([None, 3, 8]), policy=st.sampled_from(["marconi", "lru"]),
-       budget=st.integers(3, 12))
+       extra_slots=st.integers(0, 4), interval=st.sampled_from([None, 3, 8]),
+       policy=st.sampled_from(["marconi", "lru"]), budget=st.integers(3, 12))
 # found by hypothesis: two snapshots inside one block shared its partial block, so neither alone
 # could free it and a request needing every block waited forever with nothing running
 @example(seed=1, block_size=3, num_blocks=12, extra_slots=3, interval=None, policy="lru", budget=3)

@@ -26,7 +26,7 @@ def make(num_blocks=16, block_size=4, num_slots=4, max_model_len=64, vocab=100, 
 def step(s: Scheduler, token=7):
     sched = s.schedule()
     entries = [(seq.request_id, n, c) for (seq, n), c in zip(sched.entries, sched.context_lens)]
-    return sched, entries, s.postprocess(sched, [token] * len(sched.sample_indices))
+    return sched, entries, s.postprocess(sched, [token] * len(sched.sample_indices)).finished
 
 
 def test_control_plane_imports_no_torch():
@@ -55,14 +55,15 @@ def test_chunked_prefill_feeds_the_prompt_in_pieces_and_samples_once():
 
 
 def test_scheduler_output_builds_the_models_batch():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
+    from kvstate.engine.runner import batch_spec
     from kvstate.models.batch import Batch
 
     s = make(block_size=4, budget=12)
     s.add("a", [1, 2, 3, 4, 5, 6], GREEDY)
     s.add("b", [7, 8, 9, 10, 11, 12, 13, 14, 15], GREEDY)
     sched = s.schedule()  # a: 6 tokens, b: first 6 of 9
-    batch = Batch.build(**sched.batch_args())
+    batch = Batch.from_spec(batch_spec(sched))
     assert batch.query_lens == [6, 6] and sched.sample_indices == [0]
     assert batch.cu_seqlens.tolist() == [0, 6, 12] and len(sched.input_ids()) == 12
     table_b = sched.block_tables[1]
@@ -70,7 +71,7 @@ def test_scheduler_output_builds_the_models_batch():
     assert batch.state_slots.tolist() == sched.state_slots and len(set(sched.state_slots)) == 2
     s.postprocess(sched, [5])
     sched = s.schedule()  # a decodes at position 6, b finishes its prompt
-    batch = Batch.build(**sched.batch_args())
+    batch = Batch.from_spec(batch_spec(sched))
     assert batch.positions.tolist() == [6, 6, 7, 8] and batch.context_lens == [6, 6]
 
 
@@ -172,7 +173,7 @@ def test_stop_conditions():
         sched = s.schedule()
         toks = [runs[q.request_id][1][min(q.num_output_tokens, len(runs[q.request_id][1]) - 1)]
                 for q in sched.sample_seqs()]
-        done.update({f.request_id: f for f in s.postprocess(sched, toks)})
+        done.update({f.request_id: f for f in s.postprocess(sched, toks).finished})
     for r, (_, toks, reason) in runs.items():
         assert (done[r].finish_reason, done[r].stop_reason) == reason, r
         assert done[r].output_token_ids == toks, r
@@ -203,7 +204,8 @@ def test_malformed_requests_are_rejected_and_the_others_served():
     bad["params"] = s.add("params", [1], params)
     bad["dup"] = s.add("ok0", [1], GREEDY)
     good.append(s.add("ok2", [4, 5], GREEDY))
-    want = {**{r: m for r, (_, m) in BAD.items()}, "pool": "needs up to 13 KV blocks of 4 tokens; the cache pool holds 12",
+    want = {**{r: m for r, (_, m) in BAD.items()},
+            "pool": "needs up to 13 KV blocks of 4 tokens; the cache pool holds 12",
             "no_detok": "stop strings need a detokenizer", "params": r"top_p must be in \(0, 1\]",
             "dup": "request id 'ok0' is already in use"}
     for r, seq in bad.items():
@@ -234,7 +236,7 @@ def test_abort_metrics_and_misuse():
     running = s.add("r", [1, 2, 3], GREEDY)
     sched = s.schedule()
     assert s.abort("r") and s.slots.num_free_slots == 4 and s.blocks.num_free_blocks == 16
-    assert s.postprocess(sched, [1]) and running.output_token_ids == []  # the aborted result is dropped
+    assert s.postprocess(sched, [1]).finished and running.output_token_ids == []  # the aborted result is dropped
 
 
 # randomized runs ---------------------------------------------------------------------------
@@ -326,7 +328,7 @@ def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int
         check_step(s, sched)
         stats["preemptions"] += len(sched.preempted)
         stats["chunks"] += sum(1 for x in sched.samples if not x)
-        for f in s.postprocess(sched, model.run(sched)):
+        for f in s.postprocess(sched, model.run(sched)).finished:
             assert f.request_id not in done
             done[f.request_id] = f
         check_pools(s)

@@ -7,10 +7,10 @@ token corrupted, so verify entries accept 0..k drafts and roll back to every len
 """
 
 import pytest
-import torch
 
 from kvstate import LLM, SamplingParams
 from kvstate.models.generate import greedy_generate
+from tests.arrivals import run_arrivals
 from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_qwen3_5
 from tests.models.checks import random_ids, redraw_weights
 
@@ -49,19 +49,6 @@ def small_spec_llm(path, spec, blocks=24, block_size=4, num_seqs=6, budget=24, *
                **kw)
 
 
-def run_arrivals(llm, prompts, params):
-    core, done, step, added = llm.engine, {}, 0, 0
-    while len(done) < len(prompts):
-        if added < len(prompts) and step % 2 == 0:
-            core.add_request(added, prompts[added], params)
-            added += 1
-        for out in core.step():
-            if out.finished:
-                done[out.request_id] = out.output
-        step += 1
-    return [done[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("drafter", ["noisy", "ngram"])
 def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, drafter):
     llm = small_spec_llm(checkpoint, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
@@ -70,7 +57,8 @@ def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, draf
     expected = [greedy_generate(llm.model, p, NEW) for p in prompts]
     if drafter == "noisy":
         llm.engine.proposer.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
-    outs = run_arrivals(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    done, _ = run_arrivals(llm.engine, prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    outs = [done[i] for i in range(len(prompts))]
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0  # nothing leaked

@@ -26,11 +26,11 @@ def test_a_verify_entry_keeps_the_accepted_tokens_and_frees_the_rejected_blocks(
     step = s.schedule()
     assert step.num_tokens == [6] and step.drafts == {0: [60, 61, 62, 63, 64]} and step.samples == [True]
     assert step.input_ids() == [50, 60, 61, 62, 63, 64]
-    assert step.batch_args()["modes"] == ["verify"]
+    assert step.modes() == ["verify"]
     assert len(seq.block_table) == 3 and s.blocks.num_used_blocks == 3  # 9 tokens of KV written
-    s.postprocess(step, [[60, 70]])  # 60 accepted, 61 rejected: 70 sampled in its place
+    _, kept = s.postprocess(step, [[60, 70]])  # 60 accepted, 61 rejected: 70 sampled in its place
     assert seq.output_token_ids == [50, 60, 70]
-    assert seq.num_computed_tokens == 5 and step.kept == {0: 2}
+    assert seq.num_computed_tokens == 5 and kept == {0: 2}
     assert len(seq.block_table) == 2 and s.blocks.num_used_blocks == 2  # the third block held only drafts
     assert (seq.num_draft_tokens, seq.num_accepted_tokens) == (5, 1)
     nxt = s.schedule()  # no drafts now: a plain decode of 70
@@ -42,9 +42,9 @@ def test_a_stop_inside_the_accepted_tokens_ends_the_request_there():
     seq = prefill(s, [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[61]))
     seq.spec_token_ids = [60, 61, 62]
     step = s.schedule()
-    finished = s.postprocess(step, [[60, 61, 62, 9]])
+    finished, kept = s.postprocess(step, [[60, 61, 62, 9]])
     assert finished == [seq] and seq.output_token_ids == [50, 60, 61] and seq.finish_reason == "stop"
-    assert step.kept == {0: 2} and s.blocks.num_used_blocks == 0
+    assert kept == {0: 2} and s.blocks.num_used_blocks == 0
 
 
 def test_the_proposer_keeps_drafts_within_max_tokens_and_the_model_length():

@@ -119,7 +119,8 @@ def test_attention_gets_all_threads_when_it_reads_enough_kv(big, monkeypatch):
     monkeypatch.setattr(_ext, "_loaded", {"module": ThreadSpy(ext, []), "reason": None})
     monkeypatch.setattr(kdecode, "WIDE_KV_BYTES", 0 if big else 1 << 40)
     batch = decode_step(5, g)
-    cache = SimpleNamespace(k=torch.randn(200, BLOCK, 2, 20, generator=g), v=torch.randn(200, BLOCK, 2, 20, generator=g))
+    cache = SimpleNamespace(k=torch.randn(200, BLOCK, 2, 20, generator=g),
+                            v=torch.randn(200, BLOCK, 2, 20, generator=g))
     try:
         with torch.inference_mode(), threads.small_ops_serial():
             m(torch.randn(5, 36, generator=g), batch, cache)

@@ -21,7 +21,8 @@ def test_build_gives_positions_kv_indices_modes_and_groups():
     assert batch.block_tables.tolist() == [[3, 1, -1], [0, -1, -1], [2, 5, 4]]
     assert batch.modes == ["decode", "prefill", "decode"] and not batch.decode_only
     decode, prefill = batch.groups
-    assert (decode.mode, decode.entries, decode.rows.tolist(), decode.slots.tolist()) == ("decode", [0, 2], [0, 4], [2, 1])
+    got = (decode.mode, decode.entries, decode.rows.tolist(), decode.slots.tolist())
+    assert got == ("decode", [0, 2], [0, 4], [2, 1])
     assert decode.fresh_slots is None and prefill.fresh_slots.tolist() == [0]
     assert (prefill.rows, prefill.cu_seqlens.tolist(), prefill.num_tokens) == (slice(1, 4), [0, 3], 3)
     assert batch.logits_indices.tolist() == [0, 3, 4]

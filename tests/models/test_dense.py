@@ -28,8 +28,8 @@ def test_dense_matches_transformers(tmp_path, cfg_cls, model_cls, extra):
 
 def _tiny_llama(seed=0):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
     hf = LlamaForCausalLM(cfg).eval()
     redraw_weights(hf, seed)
     return hf

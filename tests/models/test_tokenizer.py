@@ -12,7 +12,8 @@ from kvstate.errors import KvstateError
 from kvstate.models.tokenizer import Tokenizer
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TEXT = ["the quick brown fox jumps over the lazy dog", "hybrid models keep a fixed state and a growing cache",

@@ -128,7 +128,8 @@ def test_same_input_projections_run_as_one_call(tmp_path, monkeypatch):
     _qwen3_5_moe().save_pretrained(tmp_path)
     model, _ = load_model(tmp_path)
     gdn = model.layers[0].mixer
-    assert gdn.in_proj_z.weight.data_ptr() == gdn.in_proj_qkv.fused_group.weight.data_ptr() + gdn.in_proj_qkv.weight.numel() * 4
+    group = gdn.in_proj_qkv.fused_group
+    assert gdn.in_proj_z.weight.data_ptr() == group.weight.data_ptr() + gdn.in_proj_qkv.weight.numel() * 4
     calls = []
     for mod in (fused_mod, module_mod):
         monkeypatch.setattr(mod, "linear", lambda x, w, *rest, f=mod.linear: calls.append(w.shape) or f(x, w, *rest))

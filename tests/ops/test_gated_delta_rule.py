@@ -74,6 +74,21 @@ def test_no_l2norm_flag_and_custom_scale():
         assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("fn", [naive_gated_delta_rule, chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_a_given_scale_matches_transformers(fn):
+    # transformers takes no scale (it multiplies q by K^-0.5): without the L2 norm, q * scale * K^0.5
+    # given to it is `scale` times q, an independent check of how every form applies a given scale
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    x = make(1, 40, 2, 4, 16, 8, seed=5)
+    x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o_ref, s_ref = torch_recurrent_gated_delta_rule(x["q"] * (0.7 * 16**0.5), *args[1:],
+                                                    initial_state=x["initial_state"], output_final_state=True)
+    o, s = fn(*args, scale=0.7, initial_state=x["initial_state"], output_final_state=True)
+    assert rel(o, o_ref) <= 1e-5 and rel(s, s_ref) <= 1e-5
+
+
 @pytest.mark.parametrize("chunk_size", [16, 64])
 def test_split_and_carry(chunk_size):
     x = make(2, 130, 2, 4, 32, 16, seed=3)

@@ -73,6 +73,19 @@ def test_matches_transformers(form, h):
         assert rel(o, o_ref) <= TOL and rel(s, s_ref) <= TOL
 
 
+@pytest.mark.parametrize("form", [chunk_kda, recurrent_kda, naive_kda], ids=["chunk", "recurrent", "naive"])
+def test_a_given_scale_matches_transformers(form):
+    """transformers takes no scale (it multiplies q by K^-0.5): without the L2 norm, q * scale * K^0.5
+    given to it is `scale` times q, an independent check of how every form applies a given scale."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import recurrent_kimi_delta_attention
+
+    (q, k, v, g, beta), s0 = inputs(1, 40, 2, 2, 32, 16, seed=4, l2=False)
+    o, s = form(q, k, v, g, beta, scale=0.7, initial_state=s0, output_final_state=True)
+    o_ref, s_ref = recurrent_kimi_delta_attention(q * (0.7 * 32**0.5), k, v, g, beta, initial_state=s0.clone(),
+                                                  output_final_state=True)
+    assert rel(o, o_ref) <= TOL and rel(s, s_ref) <= TOL
+
+
 def test_worked_delta_rule_example():
     """The spec's delta-rule example (g = 0, beta = 1): after writing k1 -> [5, 1], k2 -> [2, 4],
     k3 -> [0.6, 0.8] -> [0, 6], reading k1, k2, k3 gives [2.24, 2.32], [-1.68, 5.76], [0, 6]."""

@@ -24,6 +24,7 @@ from kvstate.parallel.comm import TPGroup, free_port
 from kvstate.parallel.engine import TPRunner
 from kvstate.parallel.model import load_shard
 from kvstate.parallel.plan import shard_plan
+from tests.arrivals import run_arrivals
 from tests.parallel.checkpoints import FAMILIES, VOCAB, save_tiny
 from tests.parallel.workers import serve
 
@@ -43,17 +44,9 @@ def budget(plan, tp: int, blocks: int) -> int:
 
 
 def run_workload(core) -> tuple[dict, int]:
-    """The prompts arriving two at first, then one a step -> ({i: tokens}, preemptions)."""
+    """The prompts arriving one every other step -> ({i: tokens}, preemptions)."""
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    ps, added, done, step = prompts(), 0, {}, 0
-    while len(done) < len(ps):
-        if added < len(ps) and step % 2 == 0:
-            core.add_request(added, ps[added], greedy)
-            added += 1
-        for out in core.step():
-            if out.finished:
-                done[out.request_id] = out.output
-        step += 1
+    done, _ = run_arrivals(core, prompts(), greedy)
     return ({i: o.token_ids for i, o in done.items()},
             sum(o.metrics["num_preemptions"] for o in done.values()))
 

@@ -122,8 +122,9 @@ def test_recall_phonebook_bad_input_is_one_line(capsys, tmp_path):
     no_tok = tmp_path / "no-tokenizer"
     shutil.copytree(kvstate.model_path(LINEAR), no_tok)
     (no_tok / "tokenizer.json").unlink()
-    for argv in (["--model", str(tmp_path / "missing")], ["--model", str(no_tok)], ["--entries", "0"], ["--digits", "13"],
-                 ["--plot", str(tmp_path / "no-such-dir" / "p.png")], ["--plot", str(tmp_path / "p.pdf")]):
+    for argv in (["--model", str(tmp_path / "missing")], ["--model", str(no_tok)], ["--entries", "0"],
+                 ["--digits", "13"], ["--plot", str(tmp_path / "no-such-dir" / "p.png")],
+                 ["--plot", str(tmp_path / "p.pdf")]):
         assert main(["recall", "phonebook", *argv]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

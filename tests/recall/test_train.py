@@ -116,7 +116,8 @@ def test_resume_takes_a_checkpoint_written_before_an_option_existed(tmp_path):
 
 
 def test_zero_fill_leaves_only_the_pairs_and_the_queries():
-    train_set, _, _ = make_sets(TrainConfig(layers="LL", fill="zero", **{**TINY, "seq_len": 32, "pairs": 4, "vocab": 64}))
+    config = TrainConfig(layers="LL", fill="zero", **{**TINY, "seq_len": 32, "pairs": 4, "vocab": 64})
+    train_set, _, _ = make_sets(config)
     region = train_set.inputs[:, 8:]  # after the 4 pairs
     queried = train_set.targets[:, 8:] != IGNORE
     assert (region[~queried] == 0).all() and (region[queried] > 0).all()

@@ -173,7 +173,8 @@ def test_cache_on_off_counts_positions_from_the_engine_steps(client, ckpt, repea
     chunks = [CHUNK] * (p // CHUNK) + ([p % CHUNK] if p % CHUNK else [])
     assert (len(chunks) > 1) == (repeat == 3)
     assert [s["with_cache"] for s in out["steps"]] == chunks + [1, 1]
-    assert [s["without_cache"] for s in out["steps"]] == [sum(chunks[: i + 1]) for i in range(len(chunks))] + [p + 1, p + 2]
+    want = [sum(chunks[: i + 1]) for i in range(len(chunks))] + [p + 1, p + 2]
+    assert [s["without_cache"] for s in out["steps"]] == want
     assert out["with_cache_total"] == p + 2
     assert out["without_cache_total"] == sum(s["without_cache"] for s in out["steps"])
 

@@ -23,7 +23,8 @@ from kvstate.server import explorer_gates as eg  # noqa: E402
 from kvstate.server.explorer_scale import scenario  # noqa: E402
 from tests.browser.server import explorer_app, write_checkpoint  # noqa: E402
 
-BENCH = {"model": "random Qwen3.5-style 0.5b", "weight_dtype": "float32", "prefill_tokens": 1024, "weight_bytes": 2 * 10**9,
+BENCH = {"model": "random Qwen3.5-style 0.5b", "weight_dtype": "float32", "prefill_tokens": 1024,
+         "weight_bytes": 2 * 10**9,
          "machine": {"threads": 2},
          "rows": [{"impl": "transformers", "phase": "decode", "batch": 1, "tokens_per_s": 1.0, "ms_per_step": 1000.0},
                   {"impl": "kvstate", "phase": "decode", "batch": 8, "tokens_per_s": 20.0, "ms_per_step": 400.0},

@@ -34,7 +34,7 @@ class StandInCore:
 
     def step(self):
         step = self.last_step = self.scheduler.schedule()
-        finished = self.scheduler.postprocess(step, [7] * len(step.sample_indices))
+        finished = self.scheduler.postprocess(step, [7] * len(step.sample_indices)).finished
         outs = [SimpleNamespace(request_id=q.request_id, finished=False, output=None) for q in step.sample_seqs()
                 if not q.is_finished]
         for q in finished:

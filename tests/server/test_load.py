@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from kvstate import SamplingParams
 from tests.server.conftest import MODEL_NAME, wait_idle

@@ -56,7 +56,8 @@ def test_serve_process_answers_and_stops(checkpoint):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--model", str(checkpoint), "--port", "0",
-                             "--max-model-len", "128", "--cache-memory", "8MiB", "--served-model-name", "tiny", "--enable-prefix-caching"],
+                             "--max-model-len", "128", "--cache-memory", "8MiB", "--served-model-name", "tiny",
+                             "--enable-prefix-caching"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stderr.readline()  # the URL line, once the model is loaded
@@ -73,7 +74,8 @@ def test_serve_process_answers_and_stops(checkpoint):
             out = client.completions.create(model="tiny", prompt="hybrid", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.usage.completion_tokens == 3
-            # the same 49 tokens three times: the second stores the prompt's snapshot (the cache's admission rule), the third hits
+            # the same 49 tokens three times: the second stores the prompt's snapshot (the cache's
+            # admission rule), the third hits
             prompt = list(range(3, 52))
             for _ in range(3):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)

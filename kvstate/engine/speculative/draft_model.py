@@ -33,7 +33,8 @@ def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, max_tokens: in
     """(fixed bytes, bytes per target token) of a draft model's pools, `spec` its cache spec: two state
     slots per request, and KV for every token the target holds plus each request's drafts and a block.
     The engine takes this out of --cache-memory before sizing the target's pools (no torch)."""
-    fixed = 2 * max_num_seqs * spec.state_bytes + (max_num_seqs * (k + block_size) + block_size) * spec.kv_bytes_per_token
+    kv_tokens = max_num_seqs * (k + block_size) + block_size
+    fixed = 2 * max_num_seqs * spec.state_bytes + kv_tokens * spec.kv_bytes_per_token
     return fixed, spec.kv_bytes_per_token
 
 

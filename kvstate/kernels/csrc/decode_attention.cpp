@@ -2,7 +2,7 @@
 // per layer: per-head RMSNorm of q and k (optional), rotary on their first channels (optional,
 // rotate-half form), the new k / v written at their KV rows, softmax attention over the
 // sequence's blocks with grouped KV heads, and the output gate sigmoid(gate) (optional).
-// torch's path runs ~40 small ops for this (about 0.5 ms at 300 keys on a busy core).
+// torch's path runs ~40 small ops for this.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -60,8 +60,8 @@ void norm_rotate(const AttnArgs& a, const float* x, const float* w, int64_t p, f
 // Walked a KV block at a time (the math reads the block table once per block; only the prefetch
 // below looks up the row kAhead keys on). Keys go
 // two at a time through `dots2` (independent FMA chains); values a block at a time with the
-// accumulators in registers (`values_block`): the per-row loop of loads and stores of o before this
-// ran ~1,100 cycles a key (10.5 GB/s of KV with the caches warm, 8.7 cold, at 8,192 keys).
+// accumulators in registers (`values_block`), not a per-row loop of loads and stores of o, which was
+// much slower (docs/benchmarks.md).
 // The block table defeats the hardware prefetchers: each key also fetches the key kAhead rows
 // on, and its own value row (read after the softmax).
 void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L, float* scores, float* o) {

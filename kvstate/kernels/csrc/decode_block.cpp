@@ -3,8 +3,8 @@
 // RMSNorm, the gated MLP. The same Tensor-level ops the per-op path calls from Python
 // (decode_ops.h, kvstate::op), in the same order on the same rows, so the numbers are identical; what
 // goes is the Python between them. After each weight-streaming GEMV the caches hold weights, and
-// every Python op then runs cold (measured: three tensor views 9 us warm, 48 us after a 20 MB GEMV;
-// a decode step of the 0.5b model spent ~8 ms of ~75 so): here only the kernels run in between.
+// every Python op then runs cold (the cost: docs/benchmarks.md, "Kernel history"): here only the
+// kernels run in between.
 //
 // Threads, as `kernels.threads` has them inside a decode step: torch runs single-threaded, and the
 // GEMVs (and a mixer whose state or KV is big) get `wide` threads (0: leave the count as it is).

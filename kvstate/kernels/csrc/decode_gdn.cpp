@@ -6,11 +6,8 @@
 // stays in accumulators (2 x 8), so the first read walks S row by row, in address order: one
 // sequential stream the hardware prefetchers follow, two FMAs per loaded vector. The AVX2 form,
 // with 16 registers, walks S in blocks of 32 columns instead (strided). The second read finds the
-// rows in L1/L2, and meanwhile the next head's state is fetched into L2.
-// Measured (2 threads, Xeon, states on 2 MiB pages): 18 layers x 8 sequences x 16 heads of
-// 128 x 128 states, cold, 9.9 ms in AVX2 and 8.1 ms here (an in-place scale of the same bytes:
-// 6.1 ms); the 0.5b bench model's decode step, bf16 weights: batch 1 51.3 -> 49.9 ms, batch 8
-// 67.0 -> 65.7 ms.
+// rows in L1/L2, and meanwhile the next head's state is fetched into L2. On cold states this form
+// is faster than the AVX2 one (docs/benchmarks.md, "Kernel history").
 #include <immintrin.h>
 
 #include <algorithm>

@@ -14,8 +14,8 @@
 // waits in order for all 16 of its lines, so memory latency stops the AMX pipe at every step
 // (and 32 rows 2 or 4 KiB apart share two L1 sets, evicting what a prefetch brought). Ordinary
 // vector loads a few steps ahead are out of order and keep memory streaming; the tile loads then
-// read contiguous, L1-resident rows. Measured on the 0.5b model's linears, 2 threads (Xeon, AMX):
-// 1.07x (8 rows) to 1.15x (32 rows) faster than direct tile loads with prefetches.
+// read contiguous, L1-resident rows. That beats direct tile loads with prefetches at every row
+// count (docs/benchmarks.md, "Kernel history").
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

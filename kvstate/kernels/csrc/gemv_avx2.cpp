@@ -1,8 +1,8 @@
 // AVX2 + FMA instance of the skinny GEMM: the path for CPUs without AVX-512 (and forced in
 // tests on CPUs with it). 16 vector registers: 4 W rows x 2 x rows for 1-2 rows; for more fp32
-// rows, 3 x 4 with the W vectors in registers (12 accumulators + 3 W + 1 x). Measured on the 0.5b
-// model's linears, 2 threads (EPYC, AVX2), one process: fp32 1.38x the 4 x 2 tile at 8 rows, 1.2x
-// at 4 and 16. bf16 weights keep 4 x 2 (two W registers a row: 3 x 3 was 0.95x).
+// rows, 3 x 4 with the W vectors in registers (12 accumulators + 3 W + 1 x), faster than 4 x 2 there.
+// bf16 weights keep 4 x 2: with two W registers a row a wider tile runs out of registers
+// (docs/benchmarks.md, "Kernel history").
 #include <immintrin.h>
 
 #include <algorithm>
@@ -64,8 +64,8 @@ struct Isa {
   static V even(Raw r) { return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)); }
   static V odd(Raw r) { return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)))); }
   // Non-temporal: the weights pass through L1 without displacing what the rest of the step keeps
-  // in L2/L3 (activations, norm weights, the interpreter's own data). Measured (EPYC, 2 threads,
-  // 0.5b linears, standalone A/B vs T0): fp32 1 row 1.07-1.1x, bf16 1 row 1.2x, 8 rows even.
+  // in L2/L3 (activations, norm weights, the interpreter's own data): faster than T0 at 1 row,
+  // even at 8 (docs/benchmarks.md).
   static void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_NTA); }
   // src[0:16] -> dst[0:8] = even elements, dst[8:16] = odd ones.
   static void deinterleave(const float* src, float* dst) {

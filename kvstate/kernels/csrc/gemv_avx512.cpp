@@ -21,10 +21,8 @@ struct Isa {
   static constexpr int L = kLanes;
   // The register tile per row class (gemv.h). fp32 weights at 5-8 rows: 3 W rows x 8 x rows, W in
   // registers (24 accumulators + 3 W + 1 x of 32), each x vector loaded once for 3 FMAs and the W
-  // block read once per step. Measured on the 0.5b model's linears, 2 threads (Xeon), one process:
-  // 8 rows 111 -> 95 ms against 4 x 4 (1 row: 83), 6 rows 102 -> 93; at 3-4 rows and 12-32 rows
-  // (passes of 8 and 4) 4 x 4 is even or ahead. Otherwise 4 W rows x 4 x rows: 16 accumulators +
-  // 8 x vectors + 3 temporaries.
+  // block read once per step: faster than 4 x 4 at 5-8 rows, even or behind at 3-4 and 12-32
+  // (docs/benchmarks.md, "Kernel history"). Otherwise 4 W rows x 4 x rows: 16 accumulators + 8 x vectors + 3 temporaries.
   template <bool BF16, int ROWS>
   struct Plan {
     static constexpr bool k3x8 = ROWS == kMidRows && !BF16;

@@ -41,7 +41,7 @@ def chunk_gla(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: b
     """
     scan = ChunkScan(flat, chunk_size, grad, o_dst, s_dst)
     h, hv, dk, dv = flat.dims
-    grp, c, acc, out = hv // h, chunk_size, flat.acc, scan.out
+    grp, c, out = hv // h, chunk_size, scan.out
     for s0, n, steps, qc, kc, vc in scan.blocks(BLOCK_BYTES, l2):
         qk = (qc @ kc.transpose(-1, -2)).unsqueeze(2)  # [n, H, 1, C, C], shared by the group
         if flat.g is None:

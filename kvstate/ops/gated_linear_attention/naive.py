@@ -22,6 +22,6 @@ def naive_gated_linear_attention(q, k, v, g=None, *, scale=None, initial_state=N
 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] or None).
     """
-    flat = prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                    needs_beta=False)
-    return naive_recurrence(flat, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
+    prepare(q, k, v, g, None, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, needs_beta=False)
+    return naive_recurrence(q, k, v, g, None, scale=scale, l2=use_qk_l2norm_in_kernel, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -24,6 +24,7 @@ def naive_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
     state: [N, HV, K, V] (N = B, or the number of sequences of a packed batch) or None.
     """
-    flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                    needs_beta=True, g_shape="channel")
-    return naive_recurrence(flat, l2=use_qk_l2norm_in_kernel, output_final_state=output_final_state)
+    prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens, needs_beta=True,
+            g_shape="channel")
+    return naive_recurrence(q, k, v, g, beta, scale=scale, l2=use_qk_l2norm_in_kernel, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
