@@ -68,14 +68,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "/health and /metrics stay open; the explorer page takes it as ?key=KEY) "
                              "(default: $KVSTATE_API_KEY, else none)")
     limits.add_argument("--max-body-bytes", type=count_arg, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                        help=f"largest request body; larger is a 413 before it is read (default: {DEFAULT_MAX_BODY_BYTES}, "
+                        help=f"largest request body; larger is a 413 before it is read "
+                             f"(default: {DEFAULT_MAX_BODY_BYTES}, "
                              f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
     limits.add_argument("--max-prompt-chars", type=count_arg, default=None, metavar="N",
                         help=f"longest prompt text (a chat: its messages together); longer is a 400 before "
                              f"tokenizing (default: {CHARS_PER_TOKEN} x --max-model-len)")
     limits.add_argument("--max-sequences-per-request", type=count_arg, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                         help=f"most prompts x n in one request (each is one engine request; requests are "
-                             f"admitted in turn, so a large one cannot starve the others) (default: {DEFAULT_MAX_SEQUENCES})")
+                             f"admitted in turn, so a large one cannot starve the others) "
+                             f"(default: {DEFAULT_MAX_SEQUENCES})")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: warning)")
 

@@ -130,7 +130,8 @@ class PrefixCache:
     def cached_blocks(self, chain: list, tokens: list[int]) -> int:
         """How many leading blocks of `chain` (the chain of `tokens`) are cached holding those tokens."""
         n = 0
-        while n < len(chain) and self.blocks.lookup(chain[n], block_content(tokens, chain, n, self.block_size)) is not None:
+        while n < len(chain) and \
+                self.blocks.lookup(chain[n], block_content(tokens, chain, n, self.block_size)) is not None:
             n += 1
         return n
 

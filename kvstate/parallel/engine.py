@@ -9,7 +9,8 @@ collectives inside the forward meet. The logits come back whole on rank 0 (vocab
 `spawn_workers` starts ranks 1..N-1 as torch.multiprocessing "spawn" processes joined through
 gloo on a free 127.0.0.1 port (a spawned process imports the user's script again: one that starts
 TP at its top level, without `if __name__ == "__main__":`, would start ranks from every rank, so
-such a rank exits at once with MAIN_GUARD_EXIT and rank 0 stops with one line naming the fix); under torchrun (`from_torchrun`) the launcher started them. A
+such a rank exits at once with MAIN_GUARD_EXIT and rank 0 stops with one line naming the fix);
+under torchrun (`from_torchrun`) the launcher started them. A
 worker whose rank 0 is gone exits (a watchdog on the parent pid); rank 0 checks its workers
 before every step and a collective that loses a peer raises `RankFailure`, so a dead rank stops
 the others with one clear error, never a hang.

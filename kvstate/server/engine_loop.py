@@ -166,7 +166,8 @@ class EngineLoop:
                 sub, jobs = cmd[1], cmd[2]
                 for choice, (rid, (ids, params)) in enumerate(jobs):
                     try:
-                        self.core.add_request(rid, ids, params, group=sub.request_ids[0])  # admitted in turn with other clients
+                        # admitted in turn with other clients' requests
+                        self.core.add_request(rid, ids, params, group=sub.request_ids[0])
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))

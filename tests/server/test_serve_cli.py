@@ -99,5 +99,6 @@ def test_help_lists_the_limits_and_the_key(capsys):
         main(["serve", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--api-key", "KVSTATE_API_KEY", "--max-body-bytes", "--max-prompt-chars", "--max-sequences-per-request"):
+    for flag in ("--api-key", "KVSTATE_API_KEY", "--max-body-bytes", "--max-prompt-chars",
+                 "--max-sequences-per-request"):
         assert flag in out, flag
