@@ -11,8 +11,9 @@ which ids a sequence owns. One block id or slot id indexes every layer's pool.
   With prefix caching, a full block's content is registered under the hash chain of its tokens
   (`register`, with the content itself: `lookup` given the content it expects compares it, so a
   key collision never hands out another prompt's KV); when its count reaches 0 it stays readable in
-  an LRU of evictable blocks until `allocate` needs it (`on_evict` is told), and `lookup` + `share` revive it. `copy_block` queues a
-  KV block copy (copy-on-write of a partial block), carried out by the runner like slot copies.
+  an LRU of evictable blocks until `allocate` needs it (`on_evict` is told), and `lookup` + `share`
+  revive it. `copy_block` queues a KV block copy (copy-on-write of a partial block), carried out
+  by the runner like slot copies.
 - `SlotManager`: free state slots, one per running sequence. `copy_slot` reserves a spare slot
   and queues a copy (src -> dst); the scheduler's next step carries the queued copies
   (`SchedulerOutput.slot_copies`) and the runner carries them out on the tensors before the
