@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "phonebook": ("kvstate.recall.cli_phonebook", "exact phonebook recall vs book size through the engine, with KV and state bytes"),
     "capacity": ("kvstate.recall.cli_capacity", "write N random pairs into one head's state (linear attention, gated, delta rule) and read them back"),
     "train-default": ("kvstate.recall.cli_train_default", "train the two shipped models (kvstate-phonebook-hybrid, -linear)"),
+    "train-mtp": ("kvstate.recall.cli_train_mtp", "train a shipped model's MTP head (speculative drafts), measure acceptance and speed"),
 }
 
 
