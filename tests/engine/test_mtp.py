@@ -189,3 +189,16 @@ def test_greedy_tokens_equal_plain_decoding_alone_batched_prefix_preempted(famil
         assert [o.token_ids for o in outs] == expected
         stats = tight.stats()
         assert stats["kv_blocks_used"] == 0 and stats["spec_num_draft_tokens"] > 0
+
+
+def test_memory_reports_the_heads_kv(family, capsys):
+    import json
+
+    from kvstate.cli import main
+
+    name, hf, path, mtp = family
+    assert main(["memory", str(path), "--json", "--kv-dtype", "float32"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["mtp_kv_bytes_per_token"] == 2 * hf.config.num_key_value_heads * hf.config.head_dim * 4
+    assert main(["memory", str(path)]) == 0
+    assert "MTP block adds" in capsys.readouterr().out

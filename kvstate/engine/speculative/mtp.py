@@ -25,6 +25,9 @@ from kvstate.engine.sequence import SequenceStatus
 from kvstate.models.batch import Batch
 
 
+SHORT = 16  # entries of at most this many tokens run through the per-token attention kernel
+
+
 class MtpDrafter:
     def __init__(self, runner, blocks):
         """`runner`: the engine's ModelRunner built with mtp=True; `blocks`: the scheduler's BlockManager."""
@@ -92,8 +95,14 @@ class MtpDrafter:
         return drafts
 
     def _forward(self, ids, hidden, query_lens, context_lens, slots, tables):
-        """One batched forward of the head: (logits of each entry's last token [N, V], y [T, H])."""
+        """One batched forward of the head: (logits of each entry's last token [N, V], y [T, H]). A few
+        tokens per entry (a verify's accepted ones) run as "verify" entries, whose attention takes the
+        per-token decode kernel (the head has no recurrent state to keep); long prompt chunks as prefill."""
         device = self.model.device
-        batch = Batch.build(query_lens, context_lens, slots, tables, self.runner.block_size, device=device)
+        modes = ["decode" if q == 1 else "verify" if q <= SHORT else "prefill" for q in query_lens]
+        batch = Batch.build(query_lens, context_lens, slots, tables, self.runner.block_size, modes=modes,
+                            device=device)
+        if "verify" in modes:  # one logits row per entry, its last token's (a verify entry would give all)
+            batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
         ids = torch.tensor(ids, dtype=torch.int64, device=device)
         return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
