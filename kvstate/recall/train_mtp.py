@@ -31,7 +31,7 @@ from kvstate.recall.chat_data import copy_chat, encode_chat, phonebook_chat
 
 @dataclass(frozen=True)
 class MtpSettings:
-    steps: int = 300
+    steps: int = 800
     batch: int = 16
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
@@ -118,10 +118,18 @@ def train_mtp(checkpoint: Path, out: Path, settings: MtpSettings = MtpSettings()
     """Train the head of `checkpoint`'s model (frozen) and write the model with it to `out` (may be
     `checkpoint` itself: its head is then retrained from the initialization above). One CPU thread:
     these matrices gain nothing from a second, and the machine is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(Path(checkpoint), Path(out), settings, seed, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -> dict:
     from tokenizers import Tokenizer
 
-    work = with_mtp_config(Path(checkpoint), Path(out))
-    torch.set_num_threads(1)
+    work = with_mtp_config(checkpoint, out)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model, plan = load_model(work, weight_dtype="float32")
