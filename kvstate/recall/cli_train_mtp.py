@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the target checkpoint or shipped model name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--out", metavar="DIR", default=None, help="write the model with its head here "
                         "(default: over the target checkpoint)")
-    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 800)")
+    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 1600)")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of weights and data (default: 0)")
     parser.add_argument("--eval-only", action="store_true", help="measure the head the checkpoint has")
     parser.add_argument("--k", type=count_arg, default=1, help="drafts per step in the measurement (default: 1)")

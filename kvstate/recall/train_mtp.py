@@ -31,11 +31,11 @@ from kvstate.recall.chat_data import copy_chat, encode_chat, phonebook_chat
 
 @dataclass(frozen=True)
 class MtpSettings:
-    steps: int = 800
+    steps: int = 1600
     batch: int = 16
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
-    copy_share: float = 0.5
+    copy_share: float = 0.3
     copy_words: tuple[int, int] = (8, 40)
 
 
