@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM)
 
