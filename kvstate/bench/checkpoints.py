@@ -36,3 +36,29 @@ def qwen3_5_checkpoint(size: str, directory: str | None = None, seed: int = 0):
     path = Path(directory or tempfile.mkdtemp(prefix=f"kvstate-bench-{size}-"))
     hf.save_pretrained(path)
     return path, hf
+
+
+def add_random_mtp(directory, seed: int = 1) -> None:
+    """Give a saved Qwen3.5-style checkpoint a random multi-token-prediction head under the real names
+    (`mtp.fc`, `mtp.pre_fc_norm_*`, `mtp.norm`, `mtp.layers.0.*` shaped as its last full-attention
+    block) and `mtp_num_hidden_layers: 1`: what a wrong draft costs, measured on real shapes."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(directory)
+    cfg = json.loads((path / "config.json").read_text())
+    tensors = load_file(str(path / "model.safetensors"))
+    full = max(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    prefix, h = f"model.layers.{full}.", cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    for key in [k for k in tensors if k.startswith(prefix)]:
+        t = tensors[key]
+        tensors["mtp.layers.0." + key[len(prefix):]] = (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype)
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) * 0.02
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.zeros(h)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -10,7 +10,11 @@ row runs the same weights, pools and prompts:
   `--model` of a checkpoint that has a chat template the copy-heavy prompt is a chat asking it to
   repeat a passage of random words ("Repeat this:\n..."), the task the shipped models learnt;
 - draft: a smaller random Qwen3.5-style checkpoint of the same vocabulary (unrelated to the
-  target, so it rarely agrees: the row shows the cost of drafting more than its gain).
+  target, so it rarely agrees: the row shows the cost of drafting more than its gain);
+- mtp: the checkpoint's own multi-token-prediction head (docs/mtp.md), k = 1, 2, 3 whatever
+  `--ks` says. The random target gets a random head (acceptance ~0: the row is what a wrong draft
+  costs); a `--model` without one gets no mtp row. On the copy-heavy prompt where the model has
+  a chat template (the shipped models' trained heads), on the random prompt otherwise.
 Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
 N - 1 tokens, best of `--repeats`; each row's plain speed is measured right after it, on the
 same prompt (a shared machine's load drifts between rows). Every speculative run is checked token
@@ -37,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=decode_tokens_arg, default=None,
                         help="tokens generated (default 64; quick 16)")
     parser.add_argument("--repeats", type=count_arg, default=2, help="runs per row; the fastest counts (default 2)")
-    parser.add_argument("--methods", default="oracle,ngram,draft", help="which drafters (default: all three)")
+    parser.add_argument("--methods", default="oracle,ngram,draft,mtp", help="which drafters (default: all four)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="target checkpoint or shipped model name (default: a random Qwen3.5-style one)")
 
@@ -91,15 +95,17 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.table import Table
 
-    from kvstate.bench.checkpoints import qwen3_5_checkpoint
+    from kvstate.bench.checkpoints import add_random_mtp, qwen3_5_checkpoint
     from kvstate.bench.timing import silence_expected_warnings
     from kvstate.terminal.console import make_console
     from kvstate.llm import LLM
     from kvstate.engine.params import SamplingParams
     from kvstate.engine.speculative.config import SpeculativeConfig
     from kvstate.engine.speculative.draft_model import DraftModelDrafter
+    from kvstate.engine.speculative.mtp import MtpDrafter
     from kvstate.engine.speculative.ngram import NgramDrafter
     from kvstate.engine.speculative.proposer import Proposer
+    from kvstate.errors import KvstateError
     from kvstate.models.loader import load_model
 
     if args.threads:
@@ -112,8 +118,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         ks = []
     if not ks or min(ks) < 1:
-        from kvstate.errors import KvstateError
-
         raise KvstateError(f"--ks: expected comma-separated positive drafted-token counts, got {text!r}")
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (16 if args.quick else 64)
@@ -124,10 +128,21 @@ def run(args: argparse.Namespace) -> int:
             if args.model is None:
                 path, hf = qwen3_5_checkpoint(size, f"{tmp}/target")
                 del hf
+                if "mtp" in methods:
+                    add_random_mtp(path)
             else:
                 path = args.model
-            llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=4 * plen, max_model_len=4 * plen + new + 32,
-                      cache_memory=None)
+            # with an MTP head the pools hold its KV (plain rows run without keeping hidden states)
+            mtp_spec = {"method": "mtp", "num_speculative_tokens": 3} if "mtp" in methods else None
+            try:
+                llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=4 * plen, max_model_len=4 * plen + new + 32,
+                          cache_memory=None, speculative_config=mtp_spec)
+            except KvstateError:
+                if mtp_spec is None:
+                    raise
+                methods = [m for m in methods if m != "mtp"]  # a checkpoint without a head: no mtp row
+                llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=4 * plen, max_model_len=4 * plen + new + 32,
+                          cache_memory=None)
             vocab = llm.plan.vocab_size
             draft = load_model(draft_checkpoint(vocab, f"{tmp}/draft")) if "draft" in methods else None
     core = llm.engine
@@ -142,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             times = []
             for n in (1, new):
                 core.proposer = prop = make()
+                core.runner.keep_hidden = prop is not None and isinstance(prop.drafter, MtpDrafter)
                 t0 = time.perf_counter()
                 out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
                 times.append(time.perf_counter() - t0)
@@ -159,11 +175,13 @@ def run(args: argparse.Namespace) -> int:
                 "ngram": ("copy-heavy", lambda k: NgramDrafter(1, 4)),
                 "draft": ("random", lambda k: DraftModelDrafter(draft[0], draft[1], max_num_seqs=1,
                                                                 block_size=core.scheduler.config.block_size,
-                                                                max_tokens=core.max_model_len, k=k))}
+                                                                max_tokens=core.max_model_len, k=k)),
+                "mtp": ("copy-heavy" if llm.tokenizer is not None and llm.tokenizer.chat_template else "random",
+                        lambda k: MtpDrafter(core.runner, core.scheduler.blocks))}
     for method in methods:
         which, make_drafter = drafters[method]
         base_tokens = plain[which][1]
-        for k in ks:
+        for k in ([1, 2, 3] if method == "mtp" else ks):
             cfg = SpeculativeConfig("ngram", k)
             with console.status(f"{method}, k={k}"):
                 tps, tokens, prop = decode(prompts[which], lambda: Proposer(cfg, make_drafter(k), core.max_model_len))

@@ -145,14 +145,16 @@ def mixer_entry(layer: int, m: MixerSpec, kv_dtype: str, state_dtype: str, conv_
 
 
 def cache_spec(plan: ModelPlan, *, kv_dtype: str | None = None, state_dtype: str | None = None,
-               conv_dtype: str | None = None, conv_window: str = "kernel") -> CacheSpec:
+               conv_dtype: str | None = None, conv_window: str = "kernel", mtp: bool = False) -> CacheSpec:
     """The cache of one request of `plan`. Dtypes default to the plan's: model dtype for KV and
-    conv, `plan.state_dtype` for recurrent states. Unknown dtypes or windows raise KvstateError."""
+    conv, `plan.state_dtype` for recurrent states. Unknown dtypes or windows raise KvstateError.
+    `mtp`: with the KV of the plan's multi-token-prediction blocks (layers after the decoder's),
+    which an engine drafting with them keeps in the same blocks as the target's KV."""
     if conv_window not in CONV_WINDOWS:
         raise KvstateError(f"--conv-window: expected one of {', '.join(CONV_WINDOWS)}, got {conv_window!r}")
     kv = _dtype(kv_dtype or plan.dtype, "--kv-dtype")
     state = _dtype(state_dtype or plan.state_dtype, "--state-dtype")
     conv = _dtype(conv_dtype or plan.dtype, "--conv-dtype")
-    entries = tuple(mixer_entry(layer.index, m, kv, state, conv, conv_window)
-                    for layer in plan.layers for m in layer.mixers)
-    return CacheSpec(plan.name, kv, state, conv, conv_window, entries, plan.num_layers)
+    layers = plan.layers + (plan.mtp if mtp else ())
+    entries = tuple(mixer_entry(layer.index, m, kv, state, conv, conv_window) for layer in layers for m in layer.mixers)
+    return CacheSpec(plan.name, kv, state, conv, conv_window, entries, len(layers))

@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
                 obj.update(tp=args.tp, weight_bytes_per_device=_weight_bytes(plan))
             if f:
                 obj["gpu"] = f.as_json()
+            if plan.mtp:
+                obj["mtp_kv_bytes_per_token"] = _mtp_kv_bytes(args, plan, spec)
             if args.layers:
                 obj["per_layer"] = [e.to_json() for e in spec.entries]
             out.append(obj)
@@ -98,6 +100,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_tables(args, contexts, models, fits, chart)
     return 0
+
+
+def _mtp_kv_bytes(args, plan, spec) -> int:
+    """KV bytes per token the MTP block adds when the engine drafts with it (`--spec-mtp`)."""
+    from kvstate.cache.spec import cache_spec
+
+    with_mtp = cache_spec(plan, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, conv_dtype=args.conv_dtype,
+                          conv_window=args.conv_window, mtp=True)
+    return with_mtp.kv_bytes_per_token - spec.kv_bytes_per_token
 
 
 def _weight_bytes(plan) -> int:
@@ -169,6 +180,10 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
     notes = [f"conv window: {args.conv_window} columns"] + HELP_EPILOG.splitlines()[:2]
     if beyond:
         notes.append("* longer than the model's max_position_embeddings")
+    for _, plan, spec in models:
+        if plan.mtp:
+            notes.append(f"{plan.name}: its MTP block adds {fb(_mtp_kv_bytes(args, plan, spec))} KV / token "
+                         f"when drafting with it (--spec-mtp)")
     console.print(table)
     for note in notes:
         console.print(note, style="dim", soft_wrap=True)

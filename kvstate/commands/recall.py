@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                  "write N random pairs into one head's state (linear attention, gated, delta rule) and read them back"),
     "train-default": ("kvstate.recall.cli_train_default",
                       "train the two shipped models (kvstate-phonebook-hybrid, -linear)"),
+    "train-mtp": ("kvstate.recall.cli_train_mtp",
+                  "train a shipped model's MTP head (speculative drafts), measure acceptance and speed"),
 }
 
 

@@ -131,6 +131,9 @@ class ModelPlan:
     source: str = field(default="", compare=False)  # where the config came from (for messages)
     # the HF dict the family read: flat, with a nested text_config merged in (outer dtype/tie folded)
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # multi-token-prediction blocks (Qwen3.5 / Qwen3-Next `mtp.*`, config `mtp_num_hidden_layers`):
+    # full-attention blocks indexed after the decoder's, run only as a speculative drafter (docs/mtp.md)
+    mtp: tuple[LayerSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.layers) != self.num_layers:

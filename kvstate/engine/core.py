@@ -89,6 +89,20 @@ def _draft_costs(speculative_config, max_num_seqs: int, block_size: int) -> tupl
                             k=config.num_speculative_tokens)
 
 
+def _uses_mtp(speculative_config, model, plan) -> bool:
+    """Whether the engine drafts with the checkpoint's MTP head; one error where it has none."""
+    if speculative_config is None:
+        return False
+    from kvstate.engine.speculative.config import SpeculativeConfig
+
+    if SpeculativeConfig.from_dict(speculative_config).method != "mtp":
+        return False
+    if getattr(model, "mtp", None) is None:
+        raise KvstateError(f"speculative_config: method 'mtp' needs a checkpoint with multi-token-prediction "
+                           f"weights (mtp.* and mtp_num_hidden_layers in config.json); {plan.name} has none")
+    return True
+
+
 class EngineCore:
     def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -111,8 +125,9 @@ class EngineCore:
         # under tensor parallelism the model holds its rank's plan (its heads' cache) and the ranks share the machine
         local = getattr(model, "plan", None) or plan
         ranks = getattr(getattr(model, "tp_group", None), "size", 1)
+        mtp = _uses_mtp(speculative_config, model, plan)  # the MTP head's KV is part of every request's cache
         spec = cache_spec(local, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
-                          conv_window=conv_window)
+                          conv_window=conv_window, mtp=mtp)
         draft = _draft_costs(speculative_config, max_num_seqs, block_size)  # (fixed, per token) or None
         if cache_memory is None:
             need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
@@ -133,7 +148,8 @@ class EngineCore:
             self.draft_cache_bytes = fixed + tokens * per_token
         self.runner = (runner_class or ModelRunner)(
             model, plan, cache_bytes=cache_memory - self.draft_cache_bytes, block_size=block_size,
-            num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window, seed=seed)
+            num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window, seed=seed,
+            **({"mtp": True} if mtp else {}))
         sizes = self.runner.sizes
         # a model without KV layers has block ids for bookkeeping only; with KV layers the pool caps the length
         self.max_model_len = min(max_model_len, sizes.num_blocks * block_size)
@@ -207,6 +223,7 @@ class EngineCore:
             self.runner.keep(kept)
             self.proposer.record(step, out.token_ids)
             self.proposer.release([*finished, *step.preempted])
+            self.proposer.observe(step)
             self.proposer.propose(self.scheduler.running)
         sampled = step.sample_seqs()
         in_step = {id(s) for s in sampled}

@@ -36,10 +36,12 @@ def batch_spec(step) -> BatchSpec:
 class ModelRunner:
     def __init__(self, model, plan, *, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
-                 conv_window: str = "kernel", seed: int | None = None):
+                 conv_window: str = "kernel", seed: int | None = None, mtp: bool = False):
+        """`mtp`: the pools hold the MTP head's KV too (after the decoder's layers), and each step keeps
+        the target's hidden states for it (`hidden`, `hidden_offsets`: kvstate.engine.speculative.mtp)."""
         self.model, self.plan, self.block_size = model, plan, block_size
         self.cache_spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
-                               conv_window=conv_window)
+                                     conv_window=conv_window, mtp=mtp)
         self.sizes = pool_sizes(self.cache_spec, cache_bytes, block_size=block_size, num_slots=num_slots,
                                 max_model_len=max_model_len)
         self.caches: list[LayerCache] = allocate_pools(self.cache_spec, num_blocks=self.sizes.num_blocks,
@@ -50,6 +52,9 @@ class ModelRunner:
         self.rollback: Batch | None = None  # the last step's verify states, until `keep` picks one
         # decode steps: small ops on one thread, weight streaming and state workers on all (kernels.threads)
         self.serial_small_ops = True
+        self.keep_hidden = mtp
+        self.hidden: torch.Tensor | None = None  # [T, hidden] of the last step, with keep_hidden
+        self.hidden_offsets: list[int] = []  # [N + 1] each entry's rows in `hidden`
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -81,7 +86,11 @@ class ModelRunner:
         batch = Batch.from_spec(spec, device=device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         with small_ops_serial() if batch.decode_only and self.serial_small_ops else contextlib.nullcontext():
-            logits = self.model(ids, batch, self.caches)  # only the sampled entries' rows reach the LM head
+            if self.keep_hidden:
+                logits, self.hidden = self.model(ids, batch, self.caches, hidden=True)
+                self.hidden_offsets = batch.token_offsets
+            else:  # only the sampled entries' rows reach the LM head
+                logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None
         return logits
 

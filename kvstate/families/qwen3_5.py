@@ -8,6 +8,10 @@ configs themselves. `dtype` and `mamba_ssm_dtype` may sit only inside `text_conf
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+from types import SimpleNamespace
+
 from kvstate.config.fields import ConfigView
 from kvstate.config.plan import AttentionSpec, FfnSpec, GatedDeltaNetSpec, LayerSpec, ModelPlan
 from kvstate.families._common import attention, attention_bias, build_plan, layer_words, mlp
@@ -74,13 +78,22 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     gdn = gated_deltanet(t)
     ffn = qwen_moe(t) if "moe" in model_type else mlp(t)
     layers = [LayerSpec(i, (attn if w == "full" else gdn,), ffn) for i, w in enumerate(words)]
-    return build_plan(t, name, model_type, layers)
+    return with_mtp(build_plan(t, name, model_type, layers), t, attn, ffn)
+
+
+def with_mtp(plan: ModelPlan, cfg: ConfigView, attn: AttentionSpec, ffn: FfnSpec) -> ModelPlan:
+    """`plan` with its multi-token-prediction blocks (`mtp_num_hidden_layers`, 0 when absent): full
+    attention with the model's attention and its MoE (or MLP), indexed after the decoder's blocks."""
+    n = cfg.int("mtp_num_hidden_layers", default=0, minimum=0)
+    mtp = tuple(LayerSpec(plan.num_layers + i, (attn,), ffn) for i in range(n))
+    return replace(plan, mtp=mtp) if mtp else plan
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------
 
 _PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.")
-_SKIP = (r"mtp\.", r"model\.visual\.", r"visual\.")
+_SKIP = (r"model\.visual\.", r"visual\.")
+_MTP = re.compile(r"mtp\.(fc|norm|pre_fc_norm_embedding|pre_fc_norm_hidden)\.weight")
 _RULES = ((r"layers\.(\d+)\.linear_attn\.conv1d\.weight", r"layers.\1.mixer.conv_weight"),
           (r"layers\.(\d+)\.linear_attn\.(\w+)\.weight", r"layers.\1.mixer.\2.weight"),
           (r"layers\.(\d+)\.linear_attn\.(A_log|dt_bias)", r"layers.\1.mixer.\2"))
@@ -95,4 +108,17 @@ def model_options(cfg: ConfigView) -> ModelOptions:
 
 
 def weight_targets(name: str, plan) -> list[Target] | None:
+    if name.startswith("mtp."):
+        return mtp_targets(name, plan)
     return common_targets(name, plan, prefixes=_PREFIXES, extra_rules=_RULES, skip=_SKIP)
+
+
+def mtp_targets(name: str, plan) -> list[Target] | None:
+    """mtp.fc / mtp.*norm / mtp.layers.{i}.* (a decoder block's names) -> our `mtp.*`; skipped ([])
+    when the config has no MTP blocks (the model is built without them)."""
+    if not plan.mtp:
+        return []
+    if _MTP.fullmatch(name):
+        return [Target(name)]
+    inner = common_targets(name[len("mtp."):], SimpleNamespace(layers=plan.mtp), prefixes=())
+    return None if inner is None else [Target("mtp." + t.name, t.index, t.rows) for t in inner]

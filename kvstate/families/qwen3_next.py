@@ -15,7 +15,7 @@ from kvstate.config.plan import GatedDeltaNetSpec, LayerSpec, ModelPlan
 from kvstate.families import qwen3_5
 from kvstate.families._common import build_plan, mlp
 from kvstate.families._weights import Target
-from kvstate.families.qwen3_5 import full_or_linear, gated_deltanet, qwen_attention, qwen_moe
+from kvstate.families.qwen3_5 import full_or_linear, gated_deltanet, qwen_attention, qwen_moe, with_mtp
 
 MODEL_TYPES = ("qwen3_next",)
 
@@ -32,7 +32,7 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
         is_moe = sparse and i not in dense_only and (i + 1) % step == 0
         ffn = qwen_moe(cfg) if is_moe else mlp(cfg)
         layers.append(LayerSpec(i, (attn if w == "full" else gdn,), ffn))
-    return build_plan(cfg, name, "qwen3_next", layers)
+    return with_mtp(build_plan(cfg, name, "qwen3_next", layers), cfg, attn, qwen_moe(cfg) if sparse else mlp(cfg))
 
 
 # -- model building (kvstate.models) -------------------------------------------------------------

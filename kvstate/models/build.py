@@ -39,6 +39,7 @@ from kvstate.layers.mlp import MLP, GatedMLP
 from kvstate.layers.moe import MoE
 from kvstate.layers.norm import RMSNorm
 from kvstate.models.decoder import Block, HybridDecoder
+from kvstate.models.mtp import MtpHead
 
 # mixer spec kind -> its layer, sized by `from_spec(spec, hidden_size, options)`
 MIXERS: dict[type, type[nn.Module]] = {
@@ -70,22 +71,30 @@ def build_ffn(spec: FfnSpec, hidden: int, opts: ModelOptions):
                latent_size=spec.latent_size)
 
 
-def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.device = "meta") -> HybridDecoder:
+def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.device = "meta",
+                mtp: bool = False) -> HybridDecoder:
+    """`mtp`: with the plan's multi-token-prediction head as `model.mtp` (kvstate.models.mtp)."""
     norm = partial(RMSNorm, plan.hidden_size, opts.norm_eps, offset=opts.norm_offset)
     with torch.device(device):
-        blocks = []
-        for layer in plan.layers:
-            if len(layer.mixers) > 1:
-                raise KvstateError(f"{plan.name}: layer {layer.index} has parallel mixers "
-                                   f"({', '.join(layer.kinds)}), which the model does not run yet")
-            mixer = None
-            if layer.mixers:
-                spec = layer.mixers[0]
-                mixer = mixer_class(spec).from_spec(spec, plan.hidden_size, opts)
-            blocks.append(Block(mixer, build_ffn(layer.ffn, plan.hidden_size, opts), norm))
+        blocks = [_block(plan, layer, opts, norm) for layer in plan.layers]
         model = HybridDecoder(plan.vocab_size, plan.hidden_size, blocks, norm,
                               tie_word_embeddings=plan.tie_word_embeddings, plan=plan)
+        if mtp and plan.mtp:
+            if len(plan.mtp) > 1:
+                raise KvstateError(f"{plan.name}: mtp_num_hidden_layers is {len(plan.mtp)}; kvstate runs one MTP block")
+            model.mtp = MtpHead(plan.hidden_size, _block(plan, plan.mtp[0], opts, norm), norm)
     return use_kernel_linears(model)
+
+
+def _block(plan: ModelPlan, layer, opts: ModelOptions, norm) -> Block:
+    if len(layer.mixers) > 1:
+        raise KvstateError(f"{plan.name}: layer {layer.index} has parallel mixers "
+                           f"({', '.join(layer.kinds)}), which the model does not run yet")
+    mixer = None
+    if layer.mixers:
+        spec = layer.mixers[0]
+        mixer = mixer_class(spec).from_spec(spec, plan.hidden_size, opts)
+    return Block(mixer, build_ffn(layer.ffn, plan.hidden_size, opts), norm)
 
 
 def use_kernel_linears(model: nn.Module) -> nn.Module:

@@ -66,6 +66,7 @@ class HybridDecoder(nn.Module):
         if tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.plan = plan  # the ModelPlan it was built from: its cache spec sizes the pools
+        self.mtp = None  # the multi-token-prediction head (kvstate.models.mtp), where the checkpoint has one
 
     @property
     def layer_string(self) -> str:
@@ -77,9 +78,11 @@ class HybridDecoder(nn.Module):
         return self.embed_tokens.weight.device
 
     @timed("model")
-    def forward(self, input_ids: torch.Tensor, batch, caches: list) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch, caches: list, *, hidden: bool = False):
         """input_ids [T] packed -> logits [M, vocab] (fp32) for the rows batch.logits_indices only
-        (the last token of each sampled entry): mid-prefill rows never reach the LM head."""
+        (the last token of each sampled entry): mid-prefill rows never reach the LM head.
+        `hidden`: (logits, every token's last hidden state after the final norm [T, hidden]), what
+        the MTP head drafts from; the logits are the same rows, normed alone, as without it."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a bf16-stored table widens exactly
         delta = None  # each block's last residual add, left to the next block's first norm
         compiled = decode_blocks.for_step(self, batch)  # a decode step's blocks as one call each, or None
@@ -90,5 +93,5 @@ class HybridDecoder(nn.Module):
                 x, delta = block.forward_pending(x, delta, batch, cache)
         if delta is not None:
             x = x + delta
-        x = self.norm(x.index_select(0, batch.logits_indices))  # [M, hidden]
-        return self.lm_head(x).float()
+        logits = self.lm_head(self.norm(x.index_select(0, batch.logits_indices))).float()  # [M, vocab]
+        return (logits, self.norm(x)) if hidden else logits

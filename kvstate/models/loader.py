@@ -83,6 +83,18 @@ def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
     return torch.bfloat16 if sizes["BF16"] > sizes["other"] else torch.float32
 
 
+def has_mtp_weights(files: list[Path]) -> bool:
+    """Whether the checkpoint holds multi-token-prediction tensors (`mtp.*`; headers only)."""
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                if any(key.startswith("mtp.") for key in f.keys()):
+                    return True
+    except Exception:  # a broken file is reported by the load itself, naming it
+        pass
+    return False
+
+
 def open_checkpoint(path: str | Path):
     """-> (directory, plan, family adapter, model options, safetensors files) of a checkpoint directory
     or hub id: what building and loading a model (whole, or one tensor-parallel rank's part) starts from."""
@@ -108,7 +120,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     quantize = wanted == torch.int8
     if quantize and dtype != torch.float32:
         raise KvstateError("int8 weights take float32 activations (the kernels' math)")
-    model = build_model(plan, opts, device="meta")
+    model = build_model(plan, opts, device="meta", mtp=bool(plan.mtp) and has_mtp_weights(files))
     model.to(dtype)  # on meta: nothing is allocated yet
     if dtype == torch.float32:
         set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files))

@@ -43,11 +43,14 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
-    """--spec-ngram, --spec-model, --spec-tokens, --speculative-config (read by `speculative_config`)."""
+    """--spec-ngram, --spec-mtp, --spec-model, --spec-tokens, --speculative-config (read by `speculative_config`)."""
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
     spec.add_argument("--spec-ngram", type=count_arg, default=None, metavar="K",
                       help="draft K tokens per step by prompt lookup (the continuation of the last n-gram's "
                            "latest earlier occurrence)")
+    spec.add_argument("--spec-mtp", type=count_arg, default=None, metavar="K",
+                      help="draft K tokens per step with the checkpoint's own multi-token-prediction head "
+                           "(mtp.* of Qwen3.5 / Qwen3-Next; K of 1-3)")
     spec.add_argument("--spec-model", default=None, metavar="PATH",
                       help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
     spec.add_argument("--spec-tokens", type=count_arg, default=4, metavar="K",
@@ -59,12 +62,15 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
     """The speculative_config of the flags (at most one of them), or None."""
-    given = [f for f, v in (("--spec-ngram", args.spec_ngram), ("--spec-model", args.spec_model),
+    given = [f for f, v in (("--spec-ngram", args.spec_ngram), ("--spec-mtp", args.spec_mtp),
+                            ("--spec-model", args.spec_model),
                             ("--speculative-config", args.speculative_config)) if v is not None]
     if len(given) > 1:
         raise KvstateError(f"{' and '.join(given)}: give one way of drafting")
     if args.spec_ngram is not None:
         return {"method": "ngram", "num_speculative_tokens": args.spec_ngram}
+    if args.spec_mtp is not None:
+        return {"method": "mtp", "num_speculative_tokens": args.spec_mtp}
     if args.spec_model is not None:
         return {"model": args.spec_model, "num_speculative_tokens": args.spec_tokens}
     if args.speculative_config is not None:

@@ -12,7 +12,8 @@ def test_bench_spec_quick(capsys):
                  "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["method"]: r for r in out["rows"]}
-    assert set(rows) == {"oracle", "ngram", "draft"}
+    assert set(rows) == {"oracle", "ngram", "draft", "mtp"}
+    assert [r["k"] for r in out["rows"] if r["method"] == "mtp"] == [1, 2, 3]  # a random head, k = 1..3
     assert rows["oracle"]["acceptance"] == 1.0 and rows["oracle"]["tokens_per_step"] == 3.0
     assert all(r["exact"] for r in out["rows"])  # every drafter left greedy decoding unchanged
 
@@ -33,6 +34,15 @@ def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
     finally:
         llm.close()
     assert text.startswith("<|im_start|>user\nRepeat this:\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_bench_spec_mtp_row_on_the_shipped_hybrid(capsys):
+    """The shipped hybrid carries a trained MTP head: its mtp rows draft, accept some, and stay exact."""
+    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "mtp", "--new-tokens", "8",
+                 "--repeats", "1", "--json", "--threads", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["k"] for r in rows] == [1, 2, 3] and all(r["exact"] for r in rows)
+    assert rows[0]["acceptance"] > 0
 
 
 @pytest.mark.parametrize("ks", ["x", "0", "2,,4"])

@@ -33,6 +33,8 @@ def test_speculation_flags_give_the_same_tokens(checkpoint, capsys):  # noqa: F8
     (["--speculative-config", "{nope"], "--speculative-config"),
     (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "method"),
     (["--spec-ngram", "2", "--spec-model", "x"], "one way"),
+    (["--spec-mtp", "2", "--spec-ngram", "2"], "one way"),
+    (["--spec-mtp", "1"], "method 'mtp' needs a checkpoint with multi-token-prediction weights"),
 ])
 def test_bad_speculation_flags_are_one_line(checkpoint, flags, needle):  # noqa: F811
     _one_line_error(_cli("--model", str(checkpoint), "hi", *flags), needle)

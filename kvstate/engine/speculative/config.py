@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"model": "path/to/draft", "num_speculative_tokens": 4}
+    {"method": "mtp", "num_speculative_tokens": 2}     (the checkpoint's own MTP head; alias "qwen3_next_mtp")
 
 Anything else is one clear error (KvstateError), not a traceback.
 """
@@ -18,7 +19,7 @@ KNOWN = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prom
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "mtp"
     num_speculative_tokens: int
     model: str | None = None  # the draft checkpoint (method "draft_model")
     prompt_lookup_max: int = 4
@@ -39,8 +40,10 @@ class SpeculativeConfig:
             raise KvstateError("speculative_config: a draft model needs 'model': PATH")
         if method == "draft":
             method = "draft_model"
-        if method not in ("ngram", "draft_model"):
-            raise KvstateError(f"speculative_config: method must be 'ngram' or a draft 'model', got {method!r}")
+        if method in ("mtp", "qwen3_next_mtp"):
+            method, model = "mtp", None  # the target's own head (vLLM may name the target as 'model')
+        if method not in ("ngram", "draft_model", "mtp"):
+            raise KvstateError(f"speculative_config: method must be 'ngram', 'mtp' or a draft 'model', got {method!r}")
         k = _int(d, "num_speculative_tokens", None)
         lo, hi = _int(d, "prompt_lookup_min", 1), _int(d, "prompt_lookup_max", 4)
         if k < 1:

@@ -55,6 +55,12 @@ class Proposer:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(token_ids[j]) - 1
 
+    def observe(self, step) -> None:
+        """After each step's postprocess: a drafter that follows the target's steps (MTP) sees it."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None and not step.is_empty:
+            observe(step)
+
     def release(self, seqs) -> None:
         """Requests that finished or were preempted: the drafter drops what it holds for them."""
         for seq in seqs:
@@ -70,12 +76,16 @@ class Proposer:
 
 
 def make_proposer(config, core) -> Proposer:
-    """The Proposer of `config` (vLLM's dict) for an EngineCore: prompt lookup or a draft model."""
+    """The Proposer of `config` (vLLM's dict) for an EngineCore: prompt lookup, the MTP head or a draft model."""
     config = SpeculativeConfig.from_dict(config)
     if config.method == "ngram":
         from kvstate.engine.speculative.ngram import NgramDrafter
 
         drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "mtp":
+        from kvstate.engine.speculative.mtp import MtpDrafter
+
+        drafter = MtpDrafter(core.runner, core.scheduler.blocks)
     else:
         from kvstate.engine.speculative.draft_model import DraftModelDrafter
 

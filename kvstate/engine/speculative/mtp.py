@@ -1,0 +1,108 @@
+"""Drafting with the checkpoint's own multi-token-prediction head (`model.mtp`; docs/mtp.md).
+
+The head's attention keeps its KV in the engine's pools (the cache spec's layer after the
+decoder's, `cache_spec(mtp=True)`), in the target's own KV blocks at the target's positions: no
+second block manager, and the scheduler's trimming of rejected drafts' blocks trims the head's
+too. What the draft-model drafter does with its `done` counter holds here per position: the
+head's KV at position p is written from the target's hidden state h_p and the token at p + 1.
+
+- `observe(step)`, after every step's postprocess: for each entry, the positions p the target
+  just computed whose next token is now known (prompt chunks, the accepted part of a verify,
+  a decode) run through the head in one batched forward, h_p from `runner.hidden`. This
+  overwrites whatever a previous step's chained drafts wrote there (their KV was computed from
+  the head's own output, not h_p): the rollback is this rewrite, before any later read.
+  The row at the last known position (p = n - 2) gives draft 1.
+- `propose`: drafts 2..k chain on the head's own output y at positions n - 1, n, ... in blocks
+  grown now for the verify that comes next (where the pool has none, only draft 1).
+Greedy drafts are one-hot, which the rejection sampler assumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstate.engine.sequence import SequenceStatus
+from kvstate.models.batch import Batch
+
+
+SHORT = 16  # entries of at most this many tokens run through the per-token attention kernel
+
+
+class MtpDrafter:
+    def __init__(self, runner, blocks):
+        """`runner`: the engine's ModelRunner built with mtp=True; `blocks`: the scheduler's BlockManager."""
+        self.runner, self.blocks = runner, blocks
+        self.model = runner.model
+        self.cache = runner.caches[-1]  # the head's KV pools: the cache spec's last layer
+        self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [H])
+
+    def release(self, seq) -> None:
+        self.ready.pop(seq, None)
+
+    @torch.inference_mode()
+    def observe(self, step) -> None:
+        """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
+        hidden, offsets = self.runner.hidden, self.runner.hidden_offsets
+        rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
+        for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
+            end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
+            if seq.status is not SequenceStatus.RUNNING or end <= c:
+                continue
+            rows.extend(range(offsets[i], offsets[i] + end - c))
+            ids.extend(seq.token_ids(c + 1, end + 1))
+            lens.append(end - c)
+            starts.append(c)
+            slots.append(seq.state_slot)
+            tables.append(seq.block_table)
+            live.append((seq, end == seq.num_tokens - 1))
+        if not live:
+            return
+        device = self.model.device
+        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
+        logits, y = self._forward(ids, h, lens, starts, slots, tables)
+        last = torch.tensor([sum(lens[: j + 1]) - 1 for j in range(len(lens))], device=device)
+        ys = y.index_select(0, last)
+        for j, ((seq, at_end), t) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
+            if at_end:
+                self.ready[seq] = (seq.num_tokens, t, ys[j])
+            else:
+                self.ready.pop(seq, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
+        """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        chain = []  # (j, seq, k, y) of requests that get more than one draft
+        for j, (seq, k) in enumerate(requests):
+            got = self.ready.get(seq)
+            if got is None or got[0] != seq.num_tokens:
+                continue
+            drafts[j].append(got[1])
+            # draft i (i >= 2) writes the head's KV at position n + i - 3: blocks the next verify needs anyway
+            if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
+                self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
+                chain.append((j, seq, k, got[2]))
+        for step in range(1, max((k for _, _, k, _ in chain), default=1)):
+            chain = [c for c in chain if c[2] > step]
+            n = [seq.num_tokens for _, seq, _, _ in chain]
+            logits, y = self._forward([drafts[j][-1] for j, *_ in chain], torch.stack([c[3] for c in chain]),
+                                      [1] * len(chain), [m + step - 2 for m in n],
+                                      [seq.state_slot for _, seq, _, _ in chain],
+                                      [seq.block_table for _, seq, _, _ in chain])
+            for (j, *_), t in zip(chain, logits.argmax(dim=-1).tolist()):
+                drafts[j].append(t)
+            chain = [(j, seq, k, y[r]) for r, (j, seq, k, _) in enumerate(chain)]
+        return drafts
+
+    def _forward(self, ids, hidden, query_lens, context_lens, slots, tables):
+        """One batched forward of the head: (logits of each entry's last token [N, V], y [T, H]). A few
+        tokens per entry (a verify's accepted ones) run as "verify" entries, whose attention takes the
+        per-token decode kernel (the head has no recurrent state to keep); long prompt chunks as prefill."""
+        device = self.model.device
+        modes = ["decode" if q == 1 else "verify" if q <= SHORT else "prefill" for q in query_lens]
+        batch = Batch.build(query_lens, context_lens, slots, tables, self.runner.block_size, modes=modes,
+                            device=device)
+        if "verify" in modes:  # one logits row per entry, its last token's (a verify entry would give all)
+            batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
+        ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
