@@ -25,6 +25,28 @@ from kvstate.engine.params import SamplingParams
 from kvstate.errors import KvstateError
 
 
+def cache_prefix_points(tokenizer, value, ids: list[int]) -> dict[int, str]:
+    """A request's `cache_prefix` as snapshot hints {position: "prefix"}: a token count, a text the
+    prompt starts with (as tokens, encoded as the prompt was), or a list of either. With prefix
+    caching the state is kept there, so a later prompt that shares it resumes there."""
+    if value is None:
+        return {}
+    out = {}
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise KvstateError("cache_prefix as text needs the checkpoint's tokenizer.json")
+            head = tokenizer.encode(item)
+            if list(ids[:len(head)]) != head:
+                raise KvstateError(f"cache_prefix {item!r:.40} is not how the prompt starts (as tokens)")
+            item = len(head)
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= len(ids):
+            raise KvstateError(f"cache_prefix must be a token count in [1, {len(ids)}] or a text the prompt "
+                               f"starts with, got {item!r:.40}")
+        out[item] = "prefix"
+    return out
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -141,7 +163,8 @@ class LLM:
             try:
                 sp = SamplingParams.coerce(p)
                 text, ids = self._prompt(prompt)
-                points = {**(hints[index] if hints else {}), **self._cache_prefix(prompt, ids)}
+                value = prompt.get("cache_prefix") if isinstance(prompt, dict) else None
+                points = {**(hints[index] if hints else {}), **cache_prefix_points(self.tokenizer, value, ids)}
             except KvstateError as exc:
                 collectors.append(RequestCollector.failed(index, request_id, prompt, str(exc)))
                 continue
@@ -167,27 +190,6 @@ class LLM:
             return None, list(prompt)
         raise KvstateError(f"prompt must be a string or a list of token ids, "
                            f"got {type(prompt).__name__} ({prompt!r:.40})")
-
-    def _cache_prefix(self, prompt, ids) -> dict[int, str]:
-        """A prompt dict's `cache_prefix`: a token count, a text the prompt starts with, or a list of
-        either: with prefix caching the state is kept there (a later prompt sharing it resumes there)."""
-        value = prompt.get("cache_prefix") if isinstance(prompt, dict) else None
-        if value is None:
-            return {}
-        out = {}
-        for item in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(item, str):
-                if self.tokenizer is None:
-                    raise KvstateError("cache_prefix as text needs the checkpoint's tokenizer.json")
-                head = self.tokenizer.encode(item)
-                if list(ids[:len(head)]) != head:
-                    raise KvstateError(f"cache_prefix {item!r:.40} is not how the prompt starts (as tokens)")
-                item = len(head)
-            if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= len(ids):
-                raise KvstateError(f"cache_prefix must be a token count in [1, {len(ids)}] or a text the prompt "
-                                   f"starts with, got {item!r:.40}")
-            out[item] = "prefix"
-        return out
 
     # -- outputs out -----------------------------------------------------------------------------
     def _step(self) -> list[EngineOutput]:
