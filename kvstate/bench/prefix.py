@@ -1,7 +1,7 @@
 """`kvstate bench prefix`: prefix caching per snapshot policy, on serving workloads and multi-turn chats.
 
 The serving workloads (a shared document, a repeat, a shared system prompt: `prefix_serving`) say
-where the second request resumes. The chats: 4 conversations x 4 turns share one system prompt
+where the second request resumes. The chats: 3 conversations x 3 turns share one system prompt
 (token ids, seeded); each turn appends a user message to the conversation so far and generates a
 greedy reply, one request at a time, so time to first token is the prefill the policy leaves to
 compute. Policies (`prefix_serving.POLICIES`), one engine core each over one loaded checkpoint (a
@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import random
+import sys
 import time
 
 from kvstate.terminal.arg_types import seed_arg
@@ -29,7 +30,7 @@ from kvstate.bench import prefix_serving as serving
 
 POLICIES = serving.POLICIES
 SHAPES = {  # conversations, turns, system prompt, user message, reply tokens, alignment of "aligned"
-    "full": dict(convs=4, turns=4, system=512, user=96, reply=16, align=512),
+    "full": dict(convs=3, turns=3, system=512, user=96, reply=8, align=512),
     "quick": dict(convs=3, turns=3, system=40, user=12, reply=4, align=64),
 }
 
@@ -133,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
             gc.collect()
             model, plan = load_model(path)
     started = time.perf_counter()
-    with console.status("serving workloads, each request through every policy"):
-        serving_table = serving.run_workloads(model, plan, serving.SHAPES[size], args.seed)
+    def progress(workload, rows):  # the serving part has no bar (each request runs alone): say what is done
+        print(f"bench prefix: {workload} request {len(rows['off'])} done, "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    serving_table = serving.run_workloads(model, plan, serving.SHAPES[size], args.seed, progress)
     results = run_policies(model, plan, shape, args.seed, console)
     table = [summarize(res) for res in results]
     off = table[0]

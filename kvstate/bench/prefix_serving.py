@@ -27,7 +27,7 @@ POLICIES = {  # engine options; "ALIGN": the shape's alignment; hints: whether m
     "kvstate": dict(hints=True),
 }
 SHAPES = {
-    "full": dict(doc=2000, clients=3, question=32, prompt=1000, system=1000, turn=64, users=3, reply=4,
+    "full": dict(doc=2000, clients=2, question=32, prompt=1000, system=1000, turn=64, users=2, reply=4,
                  align=512, slots=12),
     "quick": dict(doc=300, clients=3, question=8, prompt=120, system=100, turn=10, users=3, reply=2, align=64,
                   slots=8),
@@ -106,7 +106,7 @@ def run_workloads(model, plan, shape: dict, seed: int, progress=None) -> dict:
             if len(replies) != 1:
                 raise KvstateError(f"bench prefix: the policies' replies differ on {workload} (must be exact)")
             if progress is not None:
-                progress()
+                progress(workload, rows)
         out[workload] = {p: summarize(r, cores[p]) for p, r in rows.items()}
         del cores
     return out

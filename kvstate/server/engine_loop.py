@@ -168,8 +168,9 @@ class EngineLoop:
                 for choice, (rid, (ids, params, *hints)) in enumerate(jobs):
                     hints = hints[0] if hints else None
                     try:
-                        # admitted in turn with other clients' requests
-                        self.core.add_request(rid, ids, params, group=sub.request_ids[0], snapshot_hints=hints)
+                        # admitted in turn with other clients' requests (stand-in cores take no hints)
+                        self.core.add_request(rid, ids, params, group=sub.request_ids[0],
+                                              **({"snapshot_hints": hints} if hints else {}))
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))

@@ -21,7 +21,7 @@ class FakeCore:
     def stats(self):
         return {"num_running": len(self.live), "num_waiting": 0}
 
-    def add_request(self, rid, ids, params, group=None, snapshot_hints=None):
+    def add_request(self, rid, ids, params, group=None):
         if ids == "boom":
             raise RuntimeError("bad add")
         self.live[rid] = 0
