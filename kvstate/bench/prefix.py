@@ -138,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench prefix: {workload} request {len(rows['off'])} done, "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
-    serving_table = serving.run_workloads(model, plan, serving.SHAPES[size], args.seed, progress)
+    def done(workload, rows):  # each workload's rows as soon as they are measured (a long run may be cut short)
+        print(f"bench prefix: {workload}: {json.dumps(rows)}", file=sys.stderr, flush=True)
+
+    serving_table = serving.run_workloads(model, plan, serving.SHAPES[size], args.seed, progress, done)
     results = run_policies(model, plan, shape, args.seed, console)
     table = [summarize(res) for res in results]
     off = table[0]

@@ -11,7 +11,7 @@ first token is the prefill a policy leaves. Workloads (token ids, seeded; sizes 
 - system: a shared system prompt (its own message), then different user turns.
 
 Policies share one loaded model (one `EngineCore` each, fresh per workload) and the same snapshot
-slots: off; aligned (vLLM's hybrid caching: state only at multiples of `align` tokens); prompt-end
+slots (`SERVING_POLICIES` here, all of them on the chats): off; aligned (vLLM's hybrid caching: state only at multiples of `align` tokens); prompt-end
 (kvstate before snapshots at length - 1 and hints: prompt ends, reply ends, branch points, every
 512 tokens); kvstate (the default: length - 1, message ends, "auto" intervals, branch points, reply ends).
 """
@@ -32,7 +32,8 @@ SHAPES = {
     "quick": dict(doc=300, clients=3, question=8, prompt=120, system=100, turn=10, users=3, reply=2, align=64,
                   slots=8),
 }
-WORKLOADS = ("doc", "doc-message", "repeat", "system")
+WORKLOADS = ("repeat", "system", "doc-message", "doc")
+SERVING_POLICIES = ("off", "aligned", "kvstate")  # prompt-end is compared on the chats (it had no hints)
 
 
 def make_core(model, plan, policy: str, shape: dict):
@@ -87,15 +88,15 @@ def requests(workload: str, shape: dict, vocab: int, seed: int) -> list[tuple[li
     return [(doc + ids(shape["question"]), hints, shape["question"]) for _ in range(shape["clients"])]
 
 
-def run_workloads(model, plan, shape: dict, seed: int, progress=None) -> dict:
+def run_workloads(model, plan, shape: dict, seed: int, progress=None, done=None) -> dict:
     """{workload: {policy: row}}; each request runs through every policy back to back (a load that
     drifts on a shared machine weighs on all alike), and the replies must agree."""
     from kvstate.errors import KvstateError
 
     out = {}
     for workload in WORKLOADS:
-        cores = {p: make_core(model, plan, p, shape) for p in POLICIES}
-        rows = {p: [] for p in POLICIES}
+        cores = {p: make_core(model, plan, p, shape) for p in SERVING_POLICIES}
+        rows = {p: [] for p in SERVING_POLICIES}
         for ids, hints, own in requests(workload, shape, plan.vocab_size, seed):
             replies = set()
             for policy, core in cores.items():
@@ -108,6 +109,8 @@ def run_workloads(model, plan, shape: dict, seed: int, progress=None) -> dict:
             if progress is not None:
                 progress(workload, rows)
         out[workload] = {p: summarize(r, cores[p]) for p, r in rows.items()}
+        if done is not None:
+            done(workload, out[workload])
         del cores
     return out
 

@@ -19,7 +19,7 @@ def test_bench_prefix_quick(capsys):
     serving, shape = out["serving"], out["serving_shape"]
     assert set(serving) == {"doc", "doc-message", "repeat", "system"}
     assert serving["repeat"]["kvstate"]["second_computed"] == 1  # a repeat computes its last token
-    assert serving["repeat"]["prompt-end"]["second_computed"] == shape["prompt"]  # before: nothing reused
+    assert serving["repeat"]["off"]["second_computed"] == shape["prompt"]
     for workload in ("doc-message", "system"):  # a document or system prompt of its own: only the new message
         assert serving[workload]["kvstate"]["second_computed"] == serving[workload]["kvstate"]["second_own"]
     assert all(serving[w]["off"]["snapshot_bytes"] == 0 for w in serving)
