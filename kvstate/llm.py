@@ -25,17 +25,41 @@ from kvstate.engine.params import SamplingParams
 from kvstate.errors import KvstateError
 
 
+def cache_prefix_points(tokenizer, value, ids: list[int]) -> dict[int, str]:
+    """A request's `cache_prefix` as snapshot hints {position: "prefix"}: a token count, a text the
+    prompt starts with (as tokens, encoded as the prompt was), or a list of either. With prefix
+    caching the state is kept there, so a later prompt that shares it resumes there."""
+    if value is None:
+        return {}
+    out = {}
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise KvstateError("cache_prefix as text needs the checkpoint's tokenizer.json")
+            head = tokenizer.encode(item)
+            if list(ids[:len(head)]) != head:
+                raise KvstateError(f"cache_prefix {item!r:.40} is not how the prompt starts (as tokens)")
+            item = len(head)
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= len(ids):
+            raise KvstateError(f"cache_prefix must be a token count in [1, {len(ids)}] or a text the prompt "
+                               f"starts with, got {item!r:.40}")
+        out[item] = "prefix"
+    return out
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, load_progress=None,
-                 enable_prefix_caching: bool = False, snapshot_interval: int | None = 512,
+                 enable_prefix_caching: bool = False, snapshot_interval: int | str | None = "auto",
                  prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
-                 speculative_config: dict | None = None, weight_dtype: str | None = None,
-                 tensor_parallel_size: int = 1):
+                 snapshot_repeat: bool = True, speculative_config: dict | None = None,
+                 weight_dtype: str | None = None, tensor_parallel_size: int = 1):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
-        (snapshots every `snapshot_interval` prompt tokens too; eviction "marconi" or "lru").
+        (snapshots at prompt length - 1 (`snapshot_repeat`), chat message ends, a prompt's
+        `cache_prefix`, every `snapshot_interval` prompt tokens ("auto": adapted to the prompt);
+        eviction "marconi" or "lru"; kvstate.engine.prefix_admission).
         `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices.
         `tensor_parallel_size` N > 1: the model and its caches sharded over N processes (this one and
         N - 1 it spawns, gloo on 127.0.0.1; or torchrun's); `cache_memory` is then per process."""
@@ -60,7 +84,8 @@ class LLM:
                                  max_model_len=max_model_len, conv_window=conv_window, seed=seed,
                                  enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
                                  prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
-                                 prefix_align=prefix_align, speculative_config=speculative_config,
+                                 prefix_align=prefix_align, snapshot_repeat=snapshot_repeat,
+                                 speculative_config=speculative_config,
                                  runner_class=runner_class)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
@@ -101,18 +126,27 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
-        them, rendered with the checkpoint's chat template (its special tokens are in the text)."""
+        them, rendered with the checkpoint's chat template (its special tokens are in the text).
+        With prefix caching the state is kept where each message ends (a later conversation that
+        shares the system prompt or a document message resumes there)."""
         if self.tokenizer is None:
             raise KvstateError("this checkpoint has no tokenizer.json: chat needs its chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
+        prompts, hints = [], []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            ends = []
+            if self.engine.scheduler.prefix is not None:
+                ends = self.tokenizer.message_ends(list(conversation), ids, add_generation_prompt=add_generation_prompt)
+            hints.append(dict.fromkeys(ends, "chat"))
+        collectors = self._submit(prompts, sampling_params, hints)
+        return [ev.output for ev in self._run(collectors) if ev.finished]
 
     # -- requests in -----------------------------------------------------------------------------
-    def _submit(self, prompts, sampling_params) -> list[RequestCollector]:
+    def _submit(self, prompts, sampling_params, hints: list[dict] | None = None) -> list[RequestCollector]:
+        """`hints`: per prompt, {position: kind} where prefix caching keeps a snapshot (chat message ends)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
             prompts = [prompts]
@@ -129,6 +163,8 @@ class LLM:
             try:
                 sp = SamplingParams.coerce(p)
                 text, ids = self._prompt(prompt)
+                value = prompt.get("cache_prefix") if isinstance(prompt, dict) else None
+                points = {**(hints[index] if hints else {}), **cache_prefix_points(self.tokenizer, value, ids)}
             except KvstateError as exc:
                 collectors.append(RequestCollector.failed(index, request_id, prompt, str(exc)))
                 continue
@@ -136,7 +172,7 @@ class LLM:
             for k in range(sp.n):
                 child = request_id if sp.n == 1 else (request_id, k)
                 self._routes[child] = (collector, k)
-                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k))
+                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k), snapshot_hints=points)
             collectors.append(collector)
         return collectors
 

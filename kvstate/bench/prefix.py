@@ -1,19 +1,18 @@
-"""`kvstate bench prefix`: prefix caching on a multi-turn chat workload, three policies in one process.
+"""`kvstate bench prefix`: prefix caching per snapshot policy, on serving workloads and multi-turn chats.
 
-8 conversations x 6 turns share one system prompt (token ids, seeded); each turn appends a user
-message to the conversation so far and generates a greedy reply, one request at a time, so time
-to first token is the prefill the policy leaves to compute. Policies, on the same checkpoint (a
-random ~0.5B Qwen3.5-style one; `--quick`: small):
+The serving workloads (a shared document, a repeat, a shared system prompt: `prefix_serving`) say
+where the second request resumes. The chats: 3 conversations x 3 turns share one system prompt
+(token ids, seeded); each turn appends a user message to the conversation so far and generates a
+greedy reply, one request at a time, so time to first token is the prefill the policy leaves to
+compute. Policies (`prefix_serving.POLICIES`), one engine core each over one loaded checkpoint (a
+random ~0.5B Qwen3.5-style one; `--quick`: small): off, aligned (vLLM: state kept only at multiples
+of 512 tokens), prompt-end (kvstate before snapshots at length - 1 and message ends), kvstate (the default).
 
-- off: every prompt prefilled whole;
-- aligned: what vLLM does for hybrid models: state kept only at multiples of 1,024 tokens;
-- kvstate: snapshots at prompt ends, reply ends, branch points and every 512 tokens.
-
-Reported per policy: prompt tokens computed, the share of the ideally reusable prompt tokens reused
-(ideal: each prompt's longest common prefix with any earlier conversation, one token left to
-compute), mean time to first token of turn 1 and of turns 2-6, and ratios to "off". The replies of
-all policies must be the same tokens (prefix caching is exact). Each prompt runs through the three
-policies' engines back to back, so a load that drifts on a shared machine weighs on all of them alike.
+Reported for the chats per policy: prompt tokens computed, the share of the ideally reusable prompt
+tokens reused (ideal: each prompt's longest common prefix with any earlier conversation, one token
+left to compute), mean time to first token of turn 1 and of turns 2-6, and ratios to "off". The
+replies of all policies must be the same tokens (prefix caching is exact). Each prompt runs through
+the policies' engines back to back, so a load that drifts on a shared machine weighs on all alike.
 """
 
 from __future__ import annotations
@@ -22,14 +21,16 @@ import argparse
 import gc
 import json
 import random
+import sys
 import time
 
 from kvstate.terminal.arg_types import seed_arg
 
-POLICIES = {"off": {}, "aligned": {"enable_prefix_caching": True, "prefix_align": 1024, "snapshot_interval": 1024},
-            "kvstate": {"enable_prefix_caching": True, "snapshot_interval": 512}}
+from kvstate.bench import prefix_serving as serving
+
+POLICIES = serving.POLICIES
 SHAPES = {  # conversations, turns, system prompt, user message, reply tokens, alignment of "aligned"
-    "full": dict(convs=8, turns=6, system=512, user=96, reply=16, align=1024),
+    "full": dict(convs=3, turns=3, system=512, user=96, reply=8, align=512),
     "quick": dict(convs=3, turns=3, system=40, user=12, reply=4, align=64),
 }
 
@@ -48,41 +49,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def make_engine(path, policy: str, shape: dict):
-    """The engine of one policy: room for every conversation's KV and three snapshots per conversation
-    (eviction is not what is measured)."""
-    from kvstate.cache.spec import cache_spec
-    from kvstate.families import read_plan
-    from kvstate.llm import LLM
-    from kvstate.engine.params import SamplingParams
-
-    options = dict(POLICIES[policy])
-    if "prefix_align" in options:
-        options["prefix_align"] = options["snapshot_interval"] = shape["align"]
+def make_engine(model, plan, policy: str, shape: dict):
+    """The engine core of one policy: room for every conversation's KV and three snapshots per
+    conversation (eviction is not what is measured)."""
     longest = shape["system"] + shape["turns"] * (shape["user"] + shape["reply"]) + 8
-    spec = cache_spec(read_plan(path), kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
-    spare = 3 * shape["convs"]
-    budget = (2 + spare) * spec.state_bytes + (shape["convs"] + 2) * longest * spec.kv_bytes_per_token
-    if options:
-        options["num_snapshot_slots"] = spare
-    llm = LLM(path, cache_memory=budget, max_num_seqs=2, max_model_len=longest, max_num_batched_tokens=4096,
-              **options)
-    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))  # warm-up (ids < 10: shares nothing)
-    return llm
+    return serving.make_core(model, plan, policy, dict(shape, longest=longest, slots=3 * shape["convs"],
+                                                             kv_seqs=shape["convs"] + 2))
 
 
-def run_policies(path, shape: dict, seed: int, console) -> list[dict]:
+def run_policies(model, plan, shape: dict, seed: int, console) -> list[dict]:
     """Every prompt of the workload through every policy's engine, one right after the other (a load
     that drifts on a shared machine then weighs on all policies alike); rows per policy."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvstate.engine.params import SamplingParams
-
-    with console.status("loading one engine per policy"):
-        engines = {p: make_engine(path, p, shape) for p in POLICIES}
+    engines = {p: make_engine(model, plan, p, shape) for p in POLICIES}
     rng = random.Random(seed)
-    system = [rng.randrange(10, engines["off"].plan.vocab_size) for _ in range(shape["system"])]
-    params = SamplingParams(temperature=0, max_tokens=shape["reply"], ignore_eos=True)
+    system = [rng.randrange(10, plan.vocab_size) for _ in range(shape["system"])]
+    params = shape["reply"]
     rows: dict[str, list] = {p: [] for p in POLICIES}
     bar = Progress(TextColumn("prompts, each through every policy"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console, transient=True)
@@ -98,6 +81,7 @@ def _workload(engines: dict, shape: dict, rng, system, params, rows: dict, bar, 
     from kvstate.errors import KvstateError
 
     vocab = engines["off"].plan.vocab_size
+    bounds = {len(system): "chat"}  # the system prompt's end: a message boundary
     ids = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
     chats = [list(system) for _ in range(shape["convs"])]
     history: list[list[int]] = []
@@ -107,7 +91,7 @@ def _workload(engines: dict, shape: dict, rng, system, params, rows: dict, bar, 
             ideal = max([min(common_prefix(chat, h), len(chat) - 1) for h in history] or [0])
             replies = []
             for policy, llm in engines.items():
-                out = llm.generate([list(chat)], params)[0]
+                out = serving.serve(llm, list(chat), dict(bounds) if serving.takes_hints(policy) else None, params)
                 rows[policy].append(dict(turn=turn + 1, conv=c, prompt=len(chat), ideal=ideal,
                                          cached=out.num_cached_tokens or 0,
                                          ttft=out.metrics["time_to_first_token"], reply=out.token_ids))
@@ -136,42 +120,78 @@ def summarize(result: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
-    from rich.table import Table
-
     from kvstate.bench.checkpoints import qwen3_5_checkpoint
     from kvstate.bench.timing import start
+    from kvstate.models.loader import load_model
 
     console, _ = start(args)
-    shape = SHAPES["quick" if args.quick else "full"]
+    size = "quick" if args.quick else "full"
+    shape = SHAPES[size]
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-prefix-") as tmp:
         with console.status("building checkpoint"):
             path, hf = qwen3_5_checkpoint("quick" if args.quick else "0.5b", tmp)
             del hf
-        started = time.perf_counter()
-        results = run_policies(path, shape, args.seed, console)
+            gc.collect()
+            model, plan = load_model(path)
+    started = time.perf_counter()
+    def progress(workload, rows):  # the serving part has no bar (each request runs alone): say what is done
+        print(f"bench prefix: {workload} request {len(rows['off'])} done, "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    def done(workload, rows):  # each workload's rows as soon as they are measured (a long run may be cut short)
+        print(f"bench prefix: {workload}: {json.dumps(rows)}", file=sys.stderr, flush=True)
+
+    serving_table = serving.run_workloads(model, plan, serving.SHAPES[size], args.seed, progress, done)
+    results = run_policies(model, plan, shape, args.seed, console)
     table = [summarize(res) for res in results]
     off = table[0]
     for row in table:
         row["computed_vs_off"] = row["computed_tokens"] / off["computed_tokens"]
         row["ttft_later_speedup"] = off["ttft_later_ms"] / row["ttft_later_ms"]
-    result = {"shape": shape, "policies": table, "replies_identical": True,
-              "seconds": time.perf_counter() - started,
-              "targets": {"reuse_of_ideal >= 0.9": table[-1]["reuse_of_ideal"] >= 0.9,
-                          "ttft_later_speedup >= 4": table[-1]["ttft_later_speedup"] >= 4}}
+    ours, before = table[-1], next(r for r in table if r["policy"] == "prompt-end")
+    result = {"shape": shape, "serving_shape": serving.SHAPES[size], "serving": serving_table, "policies": table,
+              "replies_identical": True, "seconds": time.perf_counter() - started,
+              "targets": {**serving.targets(serving_table),
+                          "chats: computed <= prompt-end's": ours["computed_tokens"] <= before["computed_tokens"],
+                          "chats: reuse_of_ideal >= 0.9": ours["reuse_of_ideal"] >= 0.9}}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    console.print(f"{shape['convs']} conversations x {shape['turns']} turns; system prompt {shape['system']} tokens, "
-                  f"user {shape['user']}, reply {shape['reply']}; aligned = state kept every {shape['align']} tokens")
-    t = Table(title="kvstate bench prefix")
+    print_tables(console, result)
+    return 0
+
+
+def print_tables(console, result: dict) -> None:
+    from rich.table import Table
+
+    from kvstate.memory import format_bytes
+
+    sv = result["serving_shape"]
+    console.print(f"serving: document {sv['doc']} tokens + questions of {sv['question']} ({sv['clients']} clients); "
+                  f"repeat: {sv['prompt']} tokens twice; system prompt {sv['system']} + turns of {sv['turn']} "
+                  f"({sv['users']} users); {sv['slots']} snapshot slots per policy")
+    t = Table(title="kvstate bench prefix: serving workloads (second request)")
+    for col in ("workload", "policy", "computed (all)", "2nd computes", "2nd own", "TTFT 1st ms", "TTFT 2nd ms",
+                "1st / 2nd", "snapshots held"):
+        t.add_column(col, justify="left" if col in ("workload", "policy") else "right")
+    for workload, rows in result["serving"].items():
+        for policy, r in rows.items():
+            t.add_row(workload, policy, str(r["computed"]), str(r["second_computed"]), str(r["second_own"]),
+                      f"{r['ttft_first_ms']:.0f}", f"{r['ttft_second_ms']:.0f}", f"{r['ttft_speedup']:.1f}x",
+                      f"{r['snapshots_held']} ({format_bytes(r['snapshot_bytes'])})")
+    console.print(t)
+    shape = result["shape"]
+    console.print(f"chats: {shape['convs']} conversations x {shape['turns']} turns; system prompt {shape['system']} "
+                  f"tokens, user {shape['user']}, reply {shape['reply']}; aligned = state kept every "
+                  f"{shape['align']} tokens")
+    t = Table(title="kvstate bench prefix: multi-turn chats")
     for col in ("policy", "prompt tokens", "computed", "vs off", "reused / ideal", "TTFT turn 1 ms",
                 "TTFT turns 2+ ms", "TTFT 2+ speedup"):
         t.add_column(col, justify="left" if col == "policy" else "right")
-    for r in table:
+    for r in result["policies"]:
         t.add_row(r["policy"], str(r["prompt_tokens"]), str(r["computed_tokens"]), f"{r['computed_vs_off']:.2f}",
                   f"{100 * r['reuse_of_ideal']:.1f}%", f"{r['ttft_turn1_ms']:.0f}", f"{r['ttft_later_ms']:.0f}",
                   f"{r['ttft_later_speedup']:.1f}x")
     console.print(t)
     console.print("replies identical across policies: yes; targets (kvstate): "
                   + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in result["targets"].items()))
-    return 0

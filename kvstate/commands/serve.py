@@ -36,6 +36,10 @@ def _port(text: str) -> int:
     return value
 
 
+def _interval(text: str):
+    return "auto" if text == "auto" else count_arg(text)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
                         help="checkpoint directory (config.json, *.safetensors, tokenizer.json), a Hugging Face "
@@ -53,8 +57,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="most tokens computed in one engine step (default: 2048)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="reuse KV blocks and state snapshots of earlier prompts and replies (hits in /metrics)")
-    parser.add_argument("--snapshot-interval", type=count_arg, default=512, metavar="N",
-                        help="with prefix caching, also snapshot the state every N prompt tokens (default: 512)")
+    parser.add_argument("--snapshot-interval", type=_interval, default="auto", metavar="N",
+                        help="with prefix caching, also snapshot the state every N prompt tokens; 'auto': 256, "
+                             "doubled until a prompt holds at most 8 (default: auto)")
     add_spec_args(parser)
     parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")

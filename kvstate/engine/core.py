@@ -107,8 +107,9 @@ class EngineCore:
     def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
-                 snapshot_interval: int | None = 512, prefix_eviction: str = "marconi", prefix_align: int = 1,
-                 num_snapshot_slots: int | None = None, speculative_config=None, runner_class=None):
+                 snapshot_interval: int | str | None = "auto", prefix_eviction: str = "marconi", prefix_align: int = 1,
+                 num_snapshot_slots: int | None = None, snapshot_repeat: bool = True, speculative_config=None,
+                 runner_class=None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
         budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
@@ -159,7 +160,8 @@ class EngineCore:
             max_model_len=self.max_model_len, vocab_size=plan.vocab_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos),
             enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
-            prefix_eviction=prefix_eviction, prefix_align=prefix_align, prefix_costs=self._prefix_costs()),
+            snapshot_repeat=snapshot_repeat, prefix_eviction=prefix_eviction, prefix_align=prefix_align,
+            prefix_costs=self._prefix_costs()),
             detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
@@ -186,14 +188,15 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
-                    group=None) -> None:
+                    group=None, snapshot_hints: dict[int, str] | None = None) -> None:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
         by the next step as finished with an error. `group`: the client request it belongs to
-        (the scheduler admits groups in turn); None: its own."""
+        (the scheduler admits groups in turn); None: its own. `snapshot_hints` {prompt position:
+        "chat" or "prefix"}: where prefix caching keeps a state snapshot for later requests to resume from."""
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params, group=group)
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""

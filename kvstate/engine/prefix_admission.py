@@ -6,14 +6,24 @@
   full blocks are shared, the partial one copied (copy-on-write), the snapshot's slot copied into
   the sequence's own slot (`SlotManager.copy_slot`: the runner copies before the forward), and
   `num_computed_tokens` starts there. Returns the first chunk's size, or None when it does not fit.
-- `limit(seq, n)`: a chunk stops at the next snapshot position: a multiple of `interval`, or the
-  branch point (the token where this prompt leaves what earlier ones cached, inside a block too).
+- `limit(seq, n)`: a chunk stops at the next snapshot position (below), so the state there is
+  in the sequence's slot after a step and can be copied.
 - `computed(seq)`, after each step: full blocks are registered under their hash chain, and a
-  snapshot is queued (a slot copy) when the sequence stands at a prompt end, an interval or its
-  branch point.
+  snapshot is queued (a slot copy) when the sequence stands at one of its snapshot positions.
 - `keep_final(seq)`: a finished sequence's own slot becomes the snapshot at its end (no copy).
   The scheduler first runs one more entry for the last sampled token (not sampled from), so the
   snapshot holds the whole conversation and the next turn resumes after its last token.
+
+Snapshot positions of a sequence, each with its kind (what /metrics counts hits by):
+- "repeat": the prompt's length - 1, so the same prompt sent again computes only its last token
+  (with `repeat=False`, "prompt_end": the prompt's end, the policy before repeats were served);
+- "chat" / "prefix": positions the request names (`Sequence.snapshot_hints`: the end of every chat
+  message, rendered by the chat template; a `cache_prefix` the caller passed);
+- "interval": multiples of `interval` tokens; "auto" adapts it to the prompt: 256 tokens, doubled
+  until the prompt holds at most `AUTO_SNAPSHOTS` of them (a shared document asked about again
+  resumes at most one interval before where the new question starts);
+- "branch": where this prompt leaves what earlier ones cached, inside a block too (Marconi's
+  speculative insertion: the next request with this prefix starts there).
 """
 
 from __future__ import annotations
@@ -22,9 +32,22 @@ from kvstate.engine.prefix_cache import PrefixCache, Snapshot, block_content, bl
 from kvstate.engine.sequence import Sequence
 
 
+AUTO_INTERVAL = 256  # the shortest spacing of "auto" interval snapshots
+AUTO_SNAPSHOTS = 8  # "auto" doubles the spacing until a prompt holds at most this many
+
+
+def auto_interval(num_prompt_tokens: int) -> int:
+    """The spacing of "auto" interval snapshots for a prompt: 256, 512, ... (nested grids, so prompts of
+    different lengths still share positions)."""
+    spacing = AUTO_INTERVAL
+    while num_prompt_tokens > AUTO_SNAPSHOTS * spacing:
+        spacing *= 2
+    return spacing
+
+
 class PrefixHooks:
-    def __init__(self, cache: PrefixCache, *, interval: int | None) -> None:
-        self.cache, self.interval = cache, interval
+    def __init__(self, cache: PrefixCache, *, interval: int | str | None, repeat: bool = True) -> None:
+        self.cache, self.interval, self.repeat = cache, interval, repeat
         self.blocks, self.slots, self.bs = cache.blocks, cache.slots, cache.blocks.block_size
         self._chains: dict[Sequence, list[bytes]] = {}  # key chain of the sequence's full blocks so far
         self._registered: dict[Sequence, int] = {}  # leading blocks of its table registered
@@ -64,6 +87,8 @@ class PrefixHooks:
             st.lookups, st.hits = st.lookups + 1, st.hits + (p > 0)
             st.prompt_tokens += seq.num_prompt_tokens
             st.cached_tokens += seq.num_cached_tokens
+            if snap is not None:
+                st.hits_by_kind[snap.kind] += 1
         if snap is not None:
             table, partial = self.cache.use(snap, now)
             if partial is not None:
@@ -79,25 +104,45 @@ class PrefixHooks:
         """`n` cut so that the chunk from `start` (default: the computed tokens) ends at the next snapshot position."""
         c = seq.num_computed_tokens if start is None else start
         stops = [c + n]
-        if self.interval:
-            stops.append((c // self.interval + 1) * self.interval)
-        b = self._branch.get(seq)
-        if b is not None and b > c:
-            stops.append(b)
+        interval = self._interval(seq)
+        if interval:
+            stops.append((c // interval + 1) * interval)
+        stops += [p for p in (self._branch.get(seq), self._prompt_point(seq)) if p is not None and p > c]
+        stops += [p for p in seq.snapshot_hints if p > c]
         return min(stops) - c
+
+    def _interval(self, seq: Sequence) -> int | None:
+        return auto_interval(seq.num_prompt_tokens) if self.interval == "auto" else self.interval
+
+    def _prompt_point(self, seq: Sequence) -> int | None:
+        """The prompt's own snapshot: its length - 1 (a repeat recomputes the last token), or its end."""
+        if not self.repeat:
+            return seq.num_prompt_tokens
+        return seq.num_prompt_tokens - 1 if seq.num_prompt_tokens > 1 else None
+
+    def _kind(self, seq: Sequence, p: int) -> str | None:
+        """Why a snapshot is due at p (None: it is not)."""
+        if p == self._prompt_point(seq):
+            return "repeat" if self.repeat else "prompt_end"
+        if p in seq.snapshot_hints:
+            return seq.snapshot_hints[p]
+        if p == self._branch.get(seq):
+            return "branch"
+        interval = self._interval(seq)
+        return "interval" if interval and p % interval == 0 else None
 
     # -- after a step ------------------------------------------------------------------------
     def computed(self, seq: Sequence, now: float) -> None:
         p = seq.num_computed_tokens
-        due = p == seq.num_prompt_tokens or p == self._branch.get(seq) or bool(self.interval and p % self.interval == 0)
-        if p // self.bs <= self._registered.get(seq, 0) and not due:
+        kind = self._kind(seq, p)
+        if p // self.bs <= self._registered.get(seq, 0) and kind is None:
             return
-        tokens, chain = self._register(seq, snapshot=due)
-        if due and self.cache.wants(tokens, p, chain, now):
+        tokens, chain = self._register(seq, snapshot=kind is not None)
+        if kind is not None and self.cache.wants(tokens, p, chain, now):
             slot = self._spare_slot()
             if slot is not None:
                 self.slots.copy_slot(seq.state_slot, slot)
-                self.cache.add(tokens, p, chain, seq.block_table, slot, now)
+                self.cache.add(tokens, p, chain, seq.block_table, slot, now, kind)
 
     def keep_final(self, seq: Sequence, now: float) -> Snapshot | None:
         """A finished sequence's slot becomes the snapshot at its computed end (it no longer owns it)."""
@@ -105,7 +150,7 @@ class PrefixHooks:
         p = seq.num_computed_tokens
         snap = None
         if seq.state_slot is not None and self.cache.wants(tokens, p, chain, now):
-            snap = self.cache.add(tokens, p, chain, seq.block_table, seq.state_slot, now)
+            snap = self.cache.add(tokens, p, chain, seq.block_table, seq.state_slot, now, "reply")
             seq.state_slot = None
         return snap
 

@@ -39,13 +39,16 @@ import hashlib
 import secrets
 from array import array
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.errors import KvstateError
 
 POLICIES = ("marconi", "lru")
 ROOT_KEY = secrets.token_bytes(32)  # the chain's root: keys cannot be computed outside this process
+# why a snapshot was taken: a repeat of a prompt (its length - 1), a chat message end, a prefix the
+# caller named, an interval, a branch point, a finished reply's end, a prompt's end (the old policy)
+KINDS = ("repeat", "chat", "prefix", "interval", "branch", "reply", "prompt_end")
 
 
 def block_key(parent: bytes, tokens) -> bytes:
@@ -83,6 +86,7 @@ class Snapshot:
     last_used: float
     hits: int = 0
     tokens: tuple[int, ...] = ()  # tokens[:num_tokens]: which other snapshots extend this one
+    kind: str = "interval"  # why it was taken (KINDS): hits are counted by it
 
 
 @dataclass
@@ -93,6 +97,7 @@ class PrefixStats:
     hits: int = 0
     snapshots_taken: int = 0
     snapshots_evicted: int = 0
+    hits_by_kind: Counter = field(default_factory=Counter)  # first admissions that resumed, by snapshot kind
 
 
 class PrefixCache:
@@ -171,14 +176,15 @@ class PrefixCache:
             return False  # held, or its key taken by other tokens (a collision): none is taken
         return True
 
-    def add(self, tokens: list[int], p: int, chain: list[int], table: list[int], slot: int, now: float) -> Snapshot:
+    def add(self, tokens: list[int], p: int, chain: list[int], table: list[int], slot: int, now: float,
+            kind: str = "interval") -> Snapshot:
         """Record a snapshot at p held in `slot` (already taken for it); references the partial block of `table`."""
         full = p // self.block_size
         partial = None
         if p % self.block_size:
             partial = self.blocks.share([table[full]])[0]
         snap = Snapshot(snapshot_key(tokens, p, chain, self.block_size), p, slot, tuple(chain[:full]), partial, now,
-                        tokens=tuple(tokens[:p]))
+                        tokens=tuple(tokens[:p]), kind=kind)
         self.snapshots[snap.key] = snap
         self.stats.snapshots_taken += 1
         return snap
@@ -270,4 +276,5 @@ class PrefixCache:
                 "prefix_lookups": s.lookups, "prefix_hits": s.hits,
                 "snapshots_held": len(held), "snapshot_bytes": sum(self.snapshot_bytes(x) for x in held),
                 "snapshots_taken": s.snapshots_taken, "snapshots_evicted": s.snapshots_evicted,
+                **{f"prefix_hits_{k}": s.hits_by_kind[k] for k in KINDS},
                 "cached_blocks": self.blocks.num_cached_blocks}

@@ -63,12 +63,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # most running sequences
     max_num_batched_tokens: int = 2048  # token budget of one step
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    # prefix caching (`kvstate.engine.prefix_cache`): snapshots every `snapshot_interval` tokens
-    # (None: only at prompt ends, reply ends, branch points), only at multiples of `prefix_align`
-    # (1024: vLLM's block-aligned policy, for comparison); `prefix_costs` = (prefill FLOPs per token,
-    # per token pair, bytes of a state slot, bytes of a KV block) for the eviction's value per byte
+    # prefix caching (`kvstate.engine.prefix_cache`, positions in `prefix_admission`): snapshots every
+    # `snapshot_interval` tokens ("auto": adapted to the prompt; None: none), at prompt length - 1
+    # (`snapshot_repeat`; False: at the prompt end), at the positions a request names, reply ends and
+    # branch points, only at multiples of `prefix_align` (1024: vLLM's block-aligned policy, for
+    # comparison); `prefix_costs` = (prefill FLOPs per token, per token pair, bytes of a state slot,
+    # bytes of a KV block) for the eviction's value per byte
     enable_prefix_caching: bool = False
-    snapshot_interval: int | None = 512
+    snapshot_interval: int | str | None = "auto"
+    snapshot_repeat: bool = True
     prefix_eviction: str = "marconi"
     prefix_align: int = 1
     prefix_costs: tuple[float, float, int, int] = (1.0, 0.0, 1, 0)
@@ -81,6 +84,10 @@ class SchedulerConfig:
         if self.num_blocks < 0:
             raise ValueError(f"SchedulerConfig.num_blocks must be >= 0, got {self.num_blocks}")
         object.__setattr__(self, "eos_token_ids", frozenset(self.eos_token_ids))
+        if not (self.snapshot_interval in (None, "auto") or (isinstance(self.snapshot_interval, int)
+                                                           and self.snapshot_interval >= 1)):
+            raise ValueError(f"SchedulerConfig.snapshot_interval must be an integer >= 1, 'auto' or None, "
+                             f"got {self.snapshot_interval!r}")
 
 
 class StepResult(NamedTuple):
@@ -115,18 +122,23 @@ class Scheduler:
             cache = PrefixCache(self.blocks, self.slots, policy=config.prefix_eviction, flops_per_token=a,
                                 flops_per_token_pair=b, slot_bytes=slot_bytes, block_bytes=block_bytes,
                                 align=config.prefix_align)
-            self.prefix = PrefixHooks(cache, interval=config.snapshot_interval)
+            self.prefix = PrefixHooks(cache, interval=config.snapshot_interval, repeat=config.snapshot_repeat)
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
-            arrival_time: float | None = None, group=None) -> Sequence:
+            arrival_time: float | None = None, group=None,
+            snapshot_hints: dict[int, str] | None = None) -> Sequence:
         """Queue a request. A malformed one comes back REJECTED with `error` set (no exception).
-        `group`: the client request it belongs to (admission takes groups in turn); None: its own."""
+        `group`: the client request it belongs to (admission takes groups in turn); None: its own.
+        `snapshot_hints`: prompt positions -> kind where prefix caching should keep a state snapshot
+        (positions outside [1, prompt length] are left out)."""
         now = self.clock() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
         tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
                                       in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
         seq = Sequence(request_id, tokens, params, arrival_time=now, group=group)
+        if snapshot_hints and self.prefix is not None and error is None:
+            seq.snapshot_hints = {p: k for p, k in snapshot_hints.items() if 1 <= p <= len(tokens)}
         if error is not None:
             seq.status, seq.finish_reason, seq.error, seq.finished_time = SequenceStatus.REJECTED, "error", error, now
             self._outbox.append(seq)

@@ -53,6 +53,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # prefix caching: positions where the request asks for a state snapshot -> kind ("chat": a chat
+    # message ends there; "prefix": the caller's cache_prefix), see kvstate.engine.prefix_admission
+    snapshot_hints: dict[int, str] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -85,6 +85,42 @@ class Tokenizer:
         return _render(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
+    def message_ends(self, messages: list[dict[str, Any]], ids: list[int], *,
+                     add_generation_prompt: bool = True) -> list[int]:
+        """Token positions in `ids` (the rendered conversation, encoded without special tokens) where each
+        message ends and any later request may branch: for every message but the first, the longest
+        prefix shared with the same conversation whose message differs from its first character on
+        (so it holds the previous message and the next one's header), and the end of the last message.
+        Any template works: a rendering that shares less only yields a shorter (still valid) prefix."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        cuts = []
+        for k in range(1, len(messages)):
+            other = [dict(m) for m in messages]
+            other[k]["content"] = "\u2063" + str(other[k].get("content") or "")  # an invisible separator first
+            try:
+                cuts.append(_common(text, self.apply_chat_template(other, add_generation_prompt=add_generation_prompt)))
+            except KvstateError:
+                continue
+        if add_generation_prompt:
+            try:
+                whole = self.apply_chat_template(messages, add_generation_prompt=False)
+                if text.startswith(whole) and len(whole) < len(text):
+                    cuts.append(len(whole))
+            except KvstateError:
+                pass
+        ends = {_common(self.encode(text[:c], add_special_tokens=False), ids) for c in cuts if c}
+        return sorted(p for p in ends if 0 < p < len(ids))
+
+
+def _common(a, b) -> int:
+    """Length of the common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
 
 def _render(template: str, **context) -> str:
     import jinja2

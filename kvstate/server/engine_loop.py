@@ -103,8 +103,9 @@ class EngineLoop:
 
     # -- the asyncio side -------------------------------------------------------------------------
     def submit(self, jobs: list) -> Submission:
-        """Queue engine requests, one per (prompt_token_ids, SamplingParams with n=1); their outputs
-        arrive tagged with the job's index. Must be called from a running event loop."""
+        """Queue engine requests, one per (prompt_token_ids, SamplingParams with n=1[, snapshot
+        hints: `EngineCore.add_request`]); their outputs arrive tagged with the job's index. Must be
+        called from a running event loop."""
         ids = [f"req-{next(self._ids)}" for _ in jobs]
         sub = Submission(self, ids, asyncio.get_running_loop())
         self._commands.put(("add", sub, list(zip(ids, jobs))))
@@ -164,10 +165,12 @@ class EngineLoop:
                 return False
             if cmd[0] == "add":
                 sub, jobs = cmd[1], cmd[2]
-                for choice, (rid, (ids, params)) in enumerate(jobs):
+                for choice, (rid, (ids, params, *hints)) in enumerate(jobs):
+                    hints = hints[0] if hints else None
                     try:
-                        # admitted in turn with other clients' requests
-                        self.core.add_request(rid, ids, params, group=sub.request_ids[0])
+                        # admitted in turn with other clients' requests (stand-in cores take no hints)
+                        self.core.add_request(rid, ids, params, group=sub.request_ids[0],
+                                              **({"snapshot_hints": hints} if hints else {}))
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))

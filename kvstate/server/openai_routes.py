@@ -19,6 +19,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvstate.errors import KvstateError
+from kvstate.llm import cache_prefix_points
 from kvstate.server import protocol as P
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
@@ -64,7 +65,8 @@ async def completions(body: CompletionRequest, request: Request):
                 raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
     params = body.sampling_params(body.max_tokens, body.logprobs)
     prompts = await run_in_threadpool(_token_ids, loop, prompts)
-    return await _serve(request, body, prompts, params, chat=False)
+    hints = await run_in_threadpool(lambda: [_cache_prefix(loop, body, p) for p in prompts])
+    return await _serve(request, body, prompts, params, chat=False, hints=hints)
 
 
 @router.post("/v1/chat/completions")
@@ -91,18 +93,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
 
-    def template() -> list[int]:
+    def template() -> tuple[list[int], dict[int, str]]:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
         except KvstateError as exc:
             raise ApiError(str(exc), param="messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        hints = {}
+        if loop.core.scheduler.prefix is not None:  # the state is kept where each message ends (as LLM.chat)
+            ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt)
+            hints = dict.fromkeys(ends, "chat")
+        hints.update(_cache_prefix(loop, body, ids))
+        return ids, hints
 
-    ids = await run_in_threadpool(template)
-    return await _serve(request, body, [ids], params, chat=True)
+    ids, hints = await run_in_threadpool(template)
+    return await _serve(request, body, [ids], params, chat=True, hints=[hints])
 
 
 # -- requests in ---------------------------------------------------------------------------------
+def _cache_prefix(loop, body, ids: list[int]) -> dict[int, str]:
+    try:
+        return cache_prefix_points(loop.llm.tokenizer, body.cache_prefix, ids)
+    except KvstateError as exc:
+        raise ApiError(str(exc), param="cache_prefix") from None
+
+
 def _check_model(loop, body) -> None:
     if body.model is not None and body.model != loop.model_name:
         raise ApiError(f"The model `{body.model}` does not exist (this server serves `{loop.model_name}`)",
@@ -153,18 +168,19 @@ def _check(loop, body, prompts: list[list[int]], params) -> None:
         raise ApiError(f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab})", param="stop_token_ids")
 
 
-def _jobs(prompts, params) -> list:
-    return [(ids, params if params.n == 1 else params.for_sample(k)) for ids in prompts for k in range(params.n)]
+def _jobs(prompts, params, hints) -> list:
+    return [(ids, params if params.n == 1 else params.for_sample(k), h or None)
+            for ids, h in zip(prompts, hints) for k in range(params.n)]
 
 
 # -- results out ---------------------------------------------------------------------------------
-async def _serve(request: Request, body, prompts, params, *, chat: bool):
+async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: list[dict]):
     loop, metrics = request.app.state.engine_loop, request.app.state.metrics
     _check(loop, body, prompts, params)
     if body.stop and lone_surrogate("".join([body.stop] if isinstance(body.stop, str) else body.stop)):
         raise ApiError("stop holds a lone UTF-16 surrogate: not valid text", param="stop")
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    sub = loop.submit(_jobs(prompts, params))
+    sub = loop.submit(_jobs(prompts, params, hints))
     reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
     try:
         if body.stream:  # wait for the first output: a request the engine rejects is still a 4xx
@@ -236,6 +252,7 @@ class _Reply:
         self.id = P.new_id("chatcmpl" if chat else "cmpl")
         self.created = P.now()
         self.prompt_tokens = sum(len(p) for p in prompts)
+        self.n = params.n
         self.finals = [None] * (len(prompts) * params.n)
         self.offsets = [0] * len(self.finals)  # streamed completions: text_offset of the next token
         tok = loop.llm.tokenizer
@@ -244,6 +261,12 @@ class _Reply:
     @property
     def completion_tokens(self) -> int:
         return sum(len(f.token_ids) for f in self.finals if f is not None)
+
+    def usage(self) -> dict:
+        """OpenAI's usage; with prefix caching, the cached prompt tokens (each prompt's first sample's)."""
+        cached = [f.num_cached_tokens for f in self.finals[::self.n] if f is not None]
+        total = None if not cached or None in cached else sum(cached)
+        return P.usage(self.prompt_tokens, self.completion_tokens, total)
 
     async def gather(self, sub) -> None:
         async for choice, out in sub:
@@ -272,7 +295,7 @@ class _Reply:
                                 "stop_reason": f.stop_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
-                "usage": P.usage(self.prompt_tokens, self.completion_tokens)}
+                "usage": self.usage()}
 
     def _chunk(self, choices: list, usage=None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -316,5 +339,5 @@ class _Reply:
                     yield self._chunk([self._piece(choice, out.text, reason, logprobs=lp)])
             item = await anext(sub, None)
         if include_usage:
-            yield self._chunk([], P.usage(self.prompt_tokens, self.completion_tokens))
+            yield self._chunk([], self.usage())
         yield P.sse("[DONE]")

@@ -38,9 +38,14 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop"}.get(reason, reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """With prefix caching on (`cached_tokens` not None), the prompt tokens served from the cache
+    in `prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report them."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def sse(payload) -> str:

@@ -52,6 +52,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
+    # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
+    cache_prefix: Union[int, str, list[Union[int, str]], None] = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """One sample's params (n = 1: the route fans the n samples out with for_sample)."""

@@ -1,4 +1,4 @@
-"""`kvstate bench prefix --quick` runs end to end: three policies, the same replies, well-formed JSON
+"""`kvstate bench prefix --quick` runs end to end: four policies, the same replies, well-formed JSON
 (no timing is asserted; token counts are)."""
 
 import json
@@ -9,9 +9,17 @@ from kvstate.cli import main
 def test_bench_prefix_quick(capsys):
     assert main(["bench", "prefix", "--quick", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
-    off, aligned, ours = out["policies"]
-    assert [p["policy"] for p in out["policies"]] == ["off", "aligned", "kvstate"] and out["replies_identical"]
+    off, aligned, before, ours = out["policies"]
+    assert [p["policy"] for p in out["policies"]] == ["off", "aligned", "prompt-end", "kvstate"]
+    assert out["replies_identical"]
     assert off["computed_tokens"] == off["prompt_tokens"] and off["cached_tokens"] == 0
     # snapshots at any position reuse more than state kept only at aligned positions
-    assert ours["computed_tokens"] < aligned["computed_tokens"] < off["computed_tokens"]
+    assert ours["computed_tokens"] <= before["computed_tokens"] < aligned["computed_tokens"] < off["computed_tokens"]
     assert ours["reuse_of_ideal"] > 0.8 and all(p["ttft_later_ms"] > 0 for p in out["policies"])
+    serving, shape = out["serving"], out["serving_shape"]
+    assert set(serving) == {"doc", "doc-message", "repeat", "system"}
+    assert serving["repeat"]["kvstate"]["second_computed"] == 1  # a repeat computes its last token
+    assert serving["repeat"]["off"]["second_computed"] == shape["prompt"]
+    for workload in ("doc-message", "system"):  # a document or system prompt of its own: only the new message
+        assert serving[workload]["kvstate"]["second_computed"] == serving[workload]["kvstate"]["second_own"]
+    assert all(serving[w]["off"]["snapshot_bytes"] == 0 for w in serving)

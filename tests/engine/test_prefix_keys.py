@@ -9,7 +9,7 @@ from kvstate.engine.prefix_cache import ROOT_KEY, block_hashes, block_key
 from tests.engine.test_prefix_scheduler import PrefixFakeModel, check_prefix_pools
 from tests.engine.test_scheduler import reference_output
 
-CFG = SchedulerConfig(num_blocks=24, block_size=4, num_slots=6, max_model_len=40, vocab_size=50, max_num_seqs=2,
+CFG = SchedulerConfig(num_blocks=24, block_size=4, num_slots=10, max_model_len=40, vocab_size=50, max_num_seqs=2,
                       max_num_batched_tokens=16, enable_prefix_caching=True, snapshot_interval=4)
 
 
@@ -37,7 +37,7 @@ def test_a_key_collision_does_not_share_another_prompts_blocks(monkeypatch):
     monkeypatch.setattr(prefix_cache, "hash", lambda value: 7, raising=False)
     s, model = Scheduler(CFG), PrefixFakeModel(CFG)
     first = run_alone(s, model, "a", list(range(1, 13)))
-    assert s.prefix.cache.snapshots  # the first prompt left snapshots (at 4, 8, 12) and cached blocks
+    assert s.prefix.cache.snapshots  # the first prompt left snapshots (at 4, 8, 11, 12, 15) and cached blocks
     other = run_alone(s, model, "b", list(range(21, 33)))  # the same length, other tokens: colliding keys
     assert other.num_cached_tokens == 0
     again = run_alone(s, model, "c", first.prompt_token_ids)  # the first prompt itself still hits where it can

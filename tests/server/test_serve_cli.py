@@ -74,8 +74,7 @@ def test_serve_process_answers_and_stops(checkpoint):
             out = client.completions.create(model="tiny", prompt="hybrid", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.usage.completion_tokens == 3
-            # the same 49 tokens three times: the second stores the prompt's snapshot (the cache's
-            # admission rule), the third hits
+            # the same 49 tokens three times: the second and the third resume at its last token
             prompt = list(range(3, 52))
             for _ in range(3):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
