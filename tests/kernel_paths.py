@@ -43,9 +43,9 @@ def line(state: dict) -> str:
         outcome = "failed (required here)" if build.required() else "were skipped"
         return f"kvstate kernels: NOT loaded ({state['reason']}); the kernel tests {outcome}"
     ran = [f"{p} x{n}" for p, n in sorted(state["paths"].items()) if n]
-    idle = [p for p, n in sorted(state["paths"].items()) if not n]
+    here = [p for p, n in sorted(state["paths"].items()) if not n and p.split()[-1] in state["isas"]]
     cap = "" if state["cap"] in (None, "auto") else f", capped at {state['cap']}"
     return (f"kvstate kernels: loaded (CPU: {', '.join(state['isas'])}{cap}); paths run: {', '.join(ran) or 'none'}"
-            + (f"; not run: {', '.join(idle)}" if idle else ""))
+            + (f"; not run though this CPU has them: {', '.join(here)}" if here else ""))
 
 

@@ -75,12 +75,12 @@ def test_the_environment_variable_sets_the_cap_at_load(tmp_path):
 
 
 def test_the_summary_line_says_what_ran_and_what_did_not():
-    a = {"loaded": True, "reason": None, "isas": ["avx2"], "cap": "auto",
-         "paths": {"linear avx2": 5, "linear avx512": 0, "gdn head avx2": 2}}
+    a = {"loaded": True, "reason": None, "isas": ["avx512", "avx2"], "cap": "auto",
+         "paths": {"linear avx2": 5, "linear avx512": 0, "linear amx": 0, "gdn head avx2": 2}}
     b = {"loaded": None, "reason": "unused", "isas": [], "cap": None, "paths": {}}
     text = line(merge([a, dict(a, paths={"linear avx2": 1}), b]))
-    assert text == ("kvstate kernels: loaded (CPU: avx2); paths run: gdn head avx2 x2, linear avx2 x6; "
-                    "not run: linear avx512")
+    assert text == ("kvstate kernels: loaded (CPU: avx512, avx2); paths run: gdn head avx2 x2, linear avx2 x6; "
+                    "not run though this CPU has them: linear avx512")
     missing = {"loaded": False, "reason": "no C++ compiler found", "isas": [], "cap": None, "paths": {}}
     assert "NOT loaded (no C++ compiler found)" in line(merge([a, missing]))
     assert line(merge([b])) == "kvstate kernels: not used by this run"
