@@ -113,26 +113,28 @@ def alternate_steps(step_s, low: int, high: int, rounds: int) -> dict:
                 median=statistics.median(ratios))
 
 
-def timed_generate(llm, prompts: list[list[int]], n: int) -> tuple[float, list[float]]:
+def timed_generate(llm, prompts: list[list[int]], n: int, clock=None) -> tuple[float, list[float]]:
     """Greedy generate() of n tokens per prompt (eos ignored) -> (seconds in all, seconds of each engine
-    step: the prefill's chunks, the last of them sampling the first token, then one step per token)."""
+    step: the prefill's chunks, the last of them sampling the first token, then one step per token).
+    `clock`: seconds now (default time.perf_counter)."""
     from kvstate.engine.params import SamplingParams
 
+    clock = clock or time.perf_counter
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     core, steps = llm.engine, []
     step = core.step
 
     def timed_step():
-        t = time.perf_counter()
+        t = clock()
         try:
             return step()
         finally:
-            steps.append(time.perf_counter() - t)
+            steps.append(clock() - t)
 
     core.step = timed_step  # an instance attribute over the method, removed below
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         llm.generate(prompts, params)
-        return time.perf_counter() - t0, steps
+        return clock() - t0, steps
     finally:
         del core.step
