@@ -54,7 +54,6 @@ def _compile(cpp_extension, progress: bool, verbose: bool, started: list) -> tup
     where, log = _ext.build_dir(), _ext.build_dir() / "build.log"
     _ext.stamp().unlink(missing_ok=True)
     _ext.failed_marker().unlink(missing_ok=True)
-    _seed(where)
     if progress:
         print(f"kvstate kernels: compiling for this CPU, once (about a minute) into {where} ...",
               end="", file=sys.stderr, flush=True)
@@ -81,21 +80,3 @@ def _compile(cpp_extension, progress: bool, verbose: bool, started: list) -> tup
         print(f" done in {secs:.0f} s", file=sys.stderr, flush=True)
     return True, f"built in {secs:.0f} s: {_ext.library()}", module
 
-
-def _seed(where) -> None:
-    """Start a new build folder from the newest finished build of the same toolchain (torch, Python,
-    flags): ninja then recompiles only the sources that changed (an edited kernel: one file, not all
-    of them). Its objects keep their times, and ninja's log and header dependencies come along."""
-    if (where / "build.ninja").exists():
-        return
-    same = []
-    for stamp in where.parent.glob("*/built"):
-        lines = stamp.read_text().splitlines()
-        if stamp.parent != where and lines[1:2] == [_ext.toolchain()]:
-            same.append((stamp.stat().st_mtime, stamp.parent))
-    if not same:
-        return
-    newest = max(same)[1]
-    for p in newest.iterdir():
-        if p.is_file() and p.name not in ("built", "failed", "lock", "build.log"):
-            shutil.copy2(p, where / p.name)
