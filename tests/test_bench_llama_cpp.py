@@ -12,6 +12,7 @@ from rich.console import Console
 
 from kvstate.bench.engine_table import show
 from kvstate.bench.llama_cpp import parse_results, run_llama_bench
+from kvstate.cache.spec import ENGINE_POOL_DTYPES
 from kvstate.cli import main
 from kvstate.errors import KvstateError
 from kvstate.kernels import _ext
@@ -29,10 +30,11 @@ if {signal!r}:
     import os, signal
     os.kill(os.getpid(), getattr(signal, {signal!r}))
 tests = [t for t in [(int(opt["-p"]), 0, 173.5), (0, int(opt["-n"]), 25.25)] if t[0] or t[1]]
+depths = [int(d) for d in opt.get("-d", "0").split(",")]  # -d: each test after each depth, slower deeper
 print(json.dumps([dict(model_filename=opt["-m"], model_type="qwen35 ?B BF16", model_size=1123456789,
-                       model_n_params=561000000, n_threads=int(opt["-t"]), n_prompt=p, n_gen=n, n_depth=0,
-                       avg_ns=1, stddev_ns=0, avg_ts=ts, stddev_ts=0.5, samples_ts=[ts]) for p, n, ts in tests],
-                 indent=2))
+                       model_n_params=561000000, n_threads=int(opt["-t"]), n_prompt=p, n_gen=n, n_depth=d,
+                       avg_ns=1, stddev_ns=0, avg_ts=ts / (1 + d / 1000), stddev_ts=0.5, samples_ts=[ts])
+                  for d in depths for p, n, ts in tests], indent=2))
 """
 
 
@@ -250,3 +252,39 @@ def test_llama_prompt_0_runs_llama_cpp_decode_only(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(argv + ["--llama-prompt", "-1"])
     assert "argument --llama-prompt: must be at least 0, got -1" in capsys.readouterr().err
+
+
+def test_bench_engine_depth_rows_beside_llama_bench_at_the_same_depths(capsys, tmp_path):
+    binary, gguf = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--quick", "--no-reference", "--batches", "1", "--prompt-len", "6",
+                 "--new-tokens", "3", "--prefill-len", "8", "--threads", "1", "--depth", "16,8",
+                 "--llama-bench", binary, "--gguf", gguf, "--llama-gen", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "args.json").read_text())[2:] == ["-t", "1", "-p", "8", "-n", "5", "-o", "json",
+                                                                    "-d", "8,16", "-r", "1"]
+    assert [r["depth"] for r in out["depth"]] == [8, 16]
+    for r in out["depth"]:
+        assert r["prefill_tokens"] == 8 and r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
+        assert r["prompt_tokens_per_s"] > 0
+    assert {(r["test"], r["depth"]) for r in out["llama_cpp_depth"]} == {
+        ("pp8 @ d8", 8), ("tg5 @ d8", 8), ("pp8 @ d16", 16), ("tg5 @ d16", 16)}
+    ours = {r["depth"]: r for r in out["depth"]}
+    ratios = out["vs_llama_cpp_depth"]
+    assert ratios["decode b=1 @ d16 vs model-bf16.gguf tg5 @ d16"] == pytest.approx(
+        ours[16]["decode_tokens_per_s"] / (25.25 / 1.016))
+    assert ratios["prefill @ d8 vs model-bf16.gguf pp8 @ d8"] == pytest.approx(
+        ours[8]["prefill_tokens_per_s"] / (173.5 / 1.008))
+    assert out["cache_dtypes"] == ENGINE_POOL_DTYPES  # what `kvstate memory` says the engine allocates
+    console = Console(file=io.StringIO(), width=200)
+    show(console, out)
+    text = console.file.getvalue()
+    assert "at depth (batch 1)" in text and "prefill @ d16 vs model-bf16.gguf pp8 @ d16" in text
+    assert "KV pools float32" in text
+
+
+@pytest.mark.parametrize("depth, message", [("12", "--depth 12: a multiple of --prefill-len (8)"),
+                                            ("0", "--depth: each at least 1"), ("x", "--depth: expected")])
+def test_bench_engine_bad_depths_are_one_line(capsys, depth, message):
+    assert main(["bench", "engine", "--quick", "--no-reference", "--prefill-len", "8", "--depth", depth]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -147,3 +147,16 @@ def test_subprocess_exit_code_no_traceback_no_torch(tmp_path):
     ok = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "qwen3.5-0.8b" in ok.stdout
+
+
+def test_a_bf16_checkpoint_says_which_dtype_the_engines_pools_use(capsys):
+    from kvstate.cache.spec import ENGINE_POOL_DTYPES
+
+    rc, out, _ = _run(capsys, "qwen3.5-0.8b")  # planned in bfloat16, the model's dtype
+    assert rc == 0 and "kv bfloat16" in out
+    assert "own engine (generate, serve, bench) keeps KV in float32" in " ".join(out.split())
+    assert "2x the KV above in bfloat16" in " ".join(out.split())
+    rc, out, _ = _run(capsys, "qwen3.5-0.8b", "--kv-dtype", "float32")  # the engine's own figures: no note
+    assert rc == 0 and "own engine" not in out
+    assert _json(capsys, "qwen3.5-0.8b")[0]["engine_pool_dtypes"] == ENGINE_POOL_DTYPES
+

@@ -43,6 +43,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="tokens generated per request (default 32; quick 8)")
     parser.add_argument("--prefill-len", type=count_arg, default=None,
                         help="prompt of the prefill measurement (default 512)")
+    parser.add_argument("--depth", default=None, metavar="N[,M...]",
+                        help="also decode after an N-token prompt and prefill --prefill-len more tokens at depth N "
+                             "(batch 1; N a multiple of --prefill-len; with --llama-bench, its -d N beside)")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
     parser.add_argument("--profile", nargs="?", const="1", default=None, metavar="BATCHES",
                         help="time the parts of a decode step at these batch sizes (default 1)")
@@ -139,20 +142,29 @@ def run(args: argparse.Namespace) -> int:
     batches = number_list("--batches", args.batches, low=1)
     _check_args(args, batches)
     profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
+    prefill_len = args.prefill_len or (128 if args.quick else 512)
+    depths = sorted(set(number_list("--depth", args.depth, low=1))) if args.depth else []
+    if depths:
+        from kvstate.bench.depth import check_depths
+
+        check_depths(depths, prefill_len)
     console, limits = start(args, reference=not (args.no_reference and args.model))  # the random checkpoint uses it
     with console.status("measuring the read bandwidth (sum of 1 GiB)"):
         read_bw = measure_read_bandwidth(0.125 if args.quick else 1.0)
     plen = args.prompt_len or (32 if args.quick else 128)
     new = args.new_tokens or (8 if args.quick else 32)
-    prefill_len = args.prefill_len or (128 if args.quick else 512)
     most = max(batches + profile_batches)  # the engine runs the largest measured or profiled batch at once
+    deepest = max(depths, default=0) + max(prefill_len, new)  # --depth's longest prompt and reply
     llm_args = dict(max_num_seqs=most, max_num_batched_tokens=max(prefill_len, most * plen),
-                    max_model_len=max(prefill_len, plen + new) + 16, weight_dtype=args.weight_dtype)
+                    max_model_len=max(prefill_len, plen + new, deepest) + 16, weight_dtype=args.weight_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
             llm, hf, label, path = _sides(args, tmp, llm_args)
         result = _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_len, batches,
                           profile_batches)
+        from kvstate.bench.depth import engine_part
+
+        result.update(engine_part(args, console, llm, depths, prefill_len, new))
         if args.weight_dtype == "int8":  # what int8 costs in logits, against the same checkpoint in fp32
             from kvstate.bench.quant_error import logit_error
 
@@ -172,7 +184,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
     """The timings of `run`, as the result dict (--json's form)."""
     import torch
 
-    from kvstate.engine.params import SamplingParams
+    from kvstate.bench.timing import timed_generate
 
     vocab = llm.plan.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -181,24 +193,8 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
 
     def ours(prompts, n):
         """(seconds of generating n tokens, seconds of its first engine step: prefill + first token)"""
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        core, steps = llm.engine, []
-        step = core.step
-
-        def timed_step():
-            t = time.perf_counter()
-            try:
-                return step()
-            finally:
-                steps.append(time.perf_counter() - t)
-
-        core.step = timed_step  # an instance attribute over the method, removed below
-        try:
-            t0 = time.perf_counter()
-            llm.generate(prompts, params)
-            return time.perf_counter() - t0, steps[0]
-        finally:
-            del core.step
+        total, steps = timed_generate(llm, prompts, n, clock=time.perf_counter)
+        return total, steps[0]
 
     def our_step_s(prompts) -> float:
         """Seconds a decode step of ours: generate()'s time less its first step, over the other new - 1
@@ -288,6 +284,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
     from kvstate.kernels import hugepages
 
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
+                  cache_dtypes=dict(kv=spec.kv_dtype, state=spec.state_dtype, conv=spec.conv_dtype),
                   prompt_tokens=plen, new_tokens=new, prefill_tokens=prefill_len, llama_gen=args.llama_gen,
                   weight_bytes=wbytes,
                   machine=dict(gemm_gflops=limits.gemm_flops / 1e9, bandwidth_gbps=limits.bandwidth / 1e9,

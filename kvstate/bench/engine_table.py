@@ -10,8 +10,10 @@ def show(console, result: dict) -> None:
     from rich.table import Table
 
     m = result["machine"]
+    pools = result.get("cache_dtypes") or {}
     console.print(f"{result['model']}; prompts {result['prompt_tokens']} tokens, {result['new_tokens']} new; "
-                  f"weights {result['weight_dtype']}, activations fp32, {m['threads']} threads; machine: read "
+                  f"weights {result['weight_dtype']}, activations fp32, KV pools {pools.get('kv', '?')} (states "
+                  f"{pools.get('state', '?')}), {m['threads']} threads; machine: read "
                   f"{m['read_bandwidth_gbps']:.1f} GB/s (sum of 1 GiB), copy {m['bandwidth_gbps']:.1f} GB/s, "
                   f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s; "
                   + (f"huge pages off: {m['huge_pages_off']}" if m.get("huge_pages_off") else
@@ -59,6 +61,9 @@ def show(console, result: dict) -> None:
     for k, v in result.get("vs_llama_cpp_rounds", {}).items():
         console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}, {len(v['ratios'])} alternating rounds: "
                       f"median {v['median']:.2f}x ({', '.join(f'{r:.2f}' for r in v['ratios'])})")
+    from kvstate.bench.depth import show as show_depth
+
+    show_depth(console, result)
     if result["step_profile"]:
         from kvstate.bench.step_profile import profile_table
 

@@ -39,7 +39,8 @@ runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 
 @dataclass(frozen=True)
 class LlamaBenchRow:
-    """One llama-bench test: "pp512" (prefill of 512 tokens) or "tg64" (64 decode steps at batch 1)."""
+    """One llama-bench test: "pp512" (prefill of 512 tokens) or "tg64" (64 decode steps at batch 1), with
+    " @ d8192" after a depth (the test ran after an 8192-token context: `-d`)."""
 
     test: str
     tokens_per_s: float
@@ -48,6 +49,7 @@ class LlamaBenchRow:
     model_size: int  # bytes of the GGUF's tensors
     model_params: int
     threads: int
+    depth: int = 0
 
 
 def parse_results(text: str) -> list[LlamaBenchRow]:
@@ -64,21 +66,29 @@ def parse_results(text: str) -> list[LlamaBenchRow]:
         try:
             n_prompt, n_gen = int(t["n_prompt"]), int(t["n_gen"])
             name = f"pp{n_prompt}" if n_gen == 0 else f"tg{n_gen}" if n_prompt == 0 else f"pp{n_prompt}+tg{n_gen}"
-            rows.append(LlamaBenchRow(name, float(t["avg_ts"]), float(t.get("stddev_ts", 0.0)),
-                                      str(t.get("model_type", "")), int(t.get("model_size", 0)),
-                                      int(t.get("model_n_params", 0)), int(t.get("n_threads", 0))))
+            depth = int(t.get("n_depth", 0))
+            rows.append(LlamaBenchRow(name + (f" @ d{depth}" if depth else ""), float(t["avg_ts"]),
+                                      float(t.get("stddev_ts", 0.0)), str(t.get("model_type", "")),
+                                      int(t.get("model_size", 0)), int(t.get("model_n_params", 0)),
+                                      int(t.get("n_threads", 0)), depth))
         except (KeyError, TypeError, ValueError) as exc:
             raise KvstateError(f"llama-bench result without a usable {exc} field") from None
     return rows
 
 
 def run_llama_bench(binary: str, gguf: str, *, threads: int = 2, prompt: int = 512, gen: int = 64,
+                    depths: list[int] | None = None, repetitions: int | None = None,
                     timeout: float = 1800) -> list[LlamaBenchRow]:
-    """Run `binary -m gguf -t threads -p prompt -n gen -o json`; its rows, or one clear error."""
+    """Run `binary -m gguf -t threads -p prompt -n gen [-d depths] [-r repetitions] -o json`; its rows,
+    or one clear error."""
     for path, what in ((binary, "--llama-bench"), (gguf, "--gguf")):
         if not Path(path).is_file():
             raise KvstateError(f"{what} {path}: no such file")
     cmd = [binary, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(gen), "-o", "json"]
+    if depths:
+        cmd += ["-d", ",".join(map(str, depths))]
+    if repetitions:
+        cmd += ["-r", str(repetitions)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -111,3 +111,30 @@ def alternate_steps(step_s, low: int, high: int, rounds: int) -> dict:
     ratios = [h / lo for lo, h in zip(ms[low], ms[high])]
     return dict(batches=[low, high], ms={str(b): v for b, v in ms.items()}, ratios=ratios,
                 median=statistics.median(ratios))
+
+
+def timed_generate(llm, prompts: list[list[int]], n: int, clock=None) -> tuple[float, list[float]]:
+    """Greedy generate() of n tokens per prompt (eos ignored) -> (seconds in all, seconds of each engine
+    step: the prefill's chunks, the last of them sampling the first token, then one step per token).
+    `clock`: seconds now (default time.perf_counter)."""
+    from kvstate.engine.params import SamplingParams
+
+    clock = clock or time.perf_counter
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    core, steps = llm.engine, []
+    step = core.step
+
+    def timed_step():
+        t = clock()
+        try:
+            return step()
+        finally:
+            steps.append(clock() - t)
+
+    core.step = timed_step  # an instance attribute over the method, removed below
+    try:
+        t0 = clock()
+        llm.generate(prompts, params)
+        return clock() - t0, steps
+    finally:
+        del core.step

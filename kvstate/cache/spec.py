@@ -129,6 +129,12 @@ class CacheSpec:
         return self.kv_bytes_per_token * context + self.state_bytes
 
 
+# What kvstate's own engine (kvstate.engine.core: generate, serve, bench) allocates its pools in on
+# CPU, whatever the checkpoint's dtype: fp32 math reads them without a conversion. `kvstate memory`
+# plans in the model's dtype by default, so it says so beside a bf16 checkpoint's figures.
+ENGINE_POOL_DTYPES = {"kv": "float32", "state": "float32", "conv": "float32"}
+
+
 def _dtype(name: str, option: str) -> str:
     canonical = canonical_dtype(name)
     if canonical is None:

@@ -13,7 +13,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "model": ("kvstate.bench.model", "prefill of a ~0.5B Qwen3.5-style checkpoint vs transformers"),
     "engine": ("kvstate.bench.engine", "engine decode at batch 1/8/32 and prefill vs transformers generate()"),
     "linear": ("kvstate.bench.linear", "decode-sized linears: kvstate's CPU kernels vs F.linear, fp32/bf16 weights"),
-    "prefix": ("kvstate.bench.prefix", "prefix caching per snapshot policy: shared documents, repeats, system prompts, chats"),
+    "prefix": ("kvstate.bench.prefix",
+               "prefix caching per snapshot policy: shared documents, repeats, system prompts, chats"),
     "spec": ("kvstate.bench.spec", "speculative decoding: acceptance and batch-1 decode tok/s, k = 2/4/8, 3 drafters"),
     "tp": ("kvstate.bench.tp", "tensor parallelism: prefill and decode tok/s, TP 1 (N threads) vs TP N (N x 1 thread)"),
 }

@@ -67,6 +67,7 @@ def _load(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstate.cache.spec import ENGINE_POOL_DTYPES
     from kvstate.memory import fit, parse_size, summary
 
     contexts, models = _load(args)
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         out = []
         for (_, plan, spec), f in zip(models, fits):
             obj = summary(plan, spec, contexts, args.batch)
+            obj["engine_pool_dtypes"] = dict(ENGINE_POOL_DTYPES)  # what kvstate's engine itself allocates
             if args.tp != 1:  # per device: the rank plan's parameters, KV and state
                 obj.update(tp=args.tp, weight_bytes_per_device=_weight_bytes(plan))
             if f:
@@ -178,6 +180,7 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
         table.add_row(plan.name, layers, ratio, *weights, fb(spec.kv_bytes_per_token), fb(spec.recurrent_state_bytes),
                       fb(spec.conv_state_bytes), fb(spec.state_bytes), dtypes, *totals)
     notes = [f"conv window: {args.conv_window} columns"] + HELP_EPILOG.splitlines()[:2]
+    notes += _engine_note(models)
     if beyond:
         notes.append("* longer than the model's max_position_embeddings")
     for _, plan, spec in models:
@@ -194,6 +197,18 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
         _print_fits(console, models, fits, contexts)
     if chart:
         console.print(f"wrote {chart}")
+
+
+def _engine_note(models) -> list[str]:
+    """A line where the table's KV or state dtype differs from what kvstate's own engine allocates."""
+    from kvstate.cache.spec import ENGINE_POOL_DTYPES as pools
+
+    if all(s.kv_dtype == pools["kv"] and s.state_dtype == pools["state"] for _, _, s in models):
+        return []
+    kv = sorted({s.kv_dtype for _, _, s in models if s.kv_dtype != pools["kv"]})
+    more = f" (2x the KV above in {kv[0]})" if kv == ["bfloat16"] or kv == ["float16"] else ""
+    return [f"kvstate's own engine (generate, serve, bench) keeps KV in {pools['kv']} and states in "
+            f"{pools['state']} on CPU{more}; --kv-dtype {pools['kv']} shows its figures"]
 
 
 def _print_layers(console, plan, spec) -> None:

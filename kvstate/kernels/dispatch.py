@@ -6,7 +6,11 @@ flattened; `MAX_ROWS_BF16` for bf16 and int8 weights) and a contiguous float32, 
 everything when the extension is missing, runs `F.linear` in x's dtype (a bf16 weight is upcast
 first, which is exact; an int8 one is dequantized, q * scale). The choice can be
 forced: `KVSTATE_KERNELS=torch|amx|avx512|avx2|auto` in the environment (read at import), or
-`with kernels.backend("torch"):` (tests), which wins.
+`with kernels.backend("torch"):` (tests), which wins. `KVSTATE_KERNELS=avx2` (or `avx512`) caps
+every kernel of the extension at that ISA, not only these calls: the compiled decode blocks'
+linears and the gated delta rule's per-head kernel too (the cap is set when the extension loads).
+torch's own kernels (prefill's GEMMs) keep theirs: cap them with torch's and its libraries'
+variables (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`).
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def choice() -> str:
 @contextlib.contextmanager
 def backend(name: str):
     """Force a backend inside the block: "torch" (the fallback), "amx"/"avx512"/"avx2" (that ISA;
-    amx serves bf16 weights only, the rest goes to avx512), "auto" (the best the CPU has)."""
+    amx serves bf16 weights only, the rest goes to avx512), "auto" (the best the CPU has). Only the
+    calls of `linear` see it; the environment variable's cap holds for every kernel."""
     if name not in CHOICES:
         raise ValueError(f"kernel backend {name!r}: expected one of {', '.join(CHOICES)}")
     token = _forced.set(name)
@@ -140,11 +145,11 @@ def info() -> dict:
     isas = list(ext.isas()) if ext is not None else []
     if chosen == "torch":
         return dict(backend="torch", isa=None, isas=isas, reason=f"forced ({ENV}=torch or backend('torch'))",
-                    max_rows=MAX_ROWS, library=str(_ext.LIBRARY) if ext else None)
+                    max_rows=MAX_ROWS, library=str(_ext.library()) if ext else None)
     if ext is None:
         return dict(backend="torch", isa=None, isas=[], reason=_ext.unavailable_reason(), max_rows=MAX_ROWS,
                     library=None)
     isa = isas[0] if chosen == "auto" else chosen
     reason = None if isa in isas else f"ISA {isa} not available on this CPU (has {', '.join(isas)})"
     return dict(backend="extension", isa=isa, isas=isas, reason=reason, max_rows=MAX_ROWS,
-                max_rows_bf16=MAX_ROWS_BF16, library=str(_ext.LIBRARY))
+                max_rows_bf16=MAX_ROWS_BF16, library=str(_ext.library()))

@@ -3,14 +3,18 @@
 import pytest
 import torch
 
-from kvstate.kernels import _ext
+from kvstate.kernels import _ext, build
 
 
 def extension():
-    """The compiled extension, or skip the test with a plain message saying why it is missing."""
+    """The compiled extension, or skip the test with a plain message saying why it is missing; where
+    the kernels are required (CI, KVSTATE_REQUIRE_KERNELS=1) a missing extension fails the test."""
     module = _ext.load()
     if module is None:
-        pytest.skip(f"kvstate kernels not built: {_ext.unavailable_reason()}")
+        message = f"kvstate kernels not built: {_ext.unavailable_reason()}"
+        if build.required():
+            pytest.fail(f"{message} (required here: {build.REQUIRE_ENV}=1 or CI)", pytrace=False)
+        pytest.skip(message)
     return module
 
 

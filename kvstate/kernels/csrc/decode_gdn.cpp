@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "decode_ops.h"
 
@@ -27,9 +29,20 @@ bool cpu_has_avx512() {
 }
 
 std::atomic<bool> use_avx512{cpu_has_avx512()};
+std::atomic<int64_t> calls_avx512{0}, calls_avx2{0};
 }  // namespace
 
 std::string gdn_head_isa() { return use_avx512 ? "avx512" : "avx2"; }
+
+std::string gdn_head_isa_within(const std::string& cap) {
+  return cap == "avx512" && cpu_has_avx512() ? "avx512" : "avx2";
+}
+
+void count_gdn_head_call() { (use_avx512.load(std::memory_order_relaxed) ? calls_avx512 : calls_avx2)++; }
+
+std::vector<std::pair<std::string, int64_t>> gdn_head_calls() {
+  return {{"avx512", calls_avx512.load()}, {"avx2", calls_avx2.load()}};
+}
 
 void set_gdn_head_isa(const std::string& isa) {
   if (isa != "avx512" && isa != "avx2") throw std::invalid_argument("kvstate decode: isa avx512 or avx2, got " + isa);

@@ -163,6 +163,7 @@ void heads(const HeadArgs& a, int64_t n) {
   const float* src = a.src == nullptr ? a.state : a.src;
   const int64_t* src_slots = a.src == nullptr ? a.slots : a.src_slots;
   auto read = [&](int64_t j) { return src + (src_slots[j / a.HV] * a.HV + j % a.HV) * a.K * a.V; };  // head j's input
+  kvstate::dec::count_gdn_head_call();
   at::parallel_for(0, n * a.HV, grain(a.K * a.V * 4), [&](int64_t j0, int64_t j1) {
     std::vector<float> tmp(2 * a.V);
     for (int64_t j = j0; j < j1; ++j) {

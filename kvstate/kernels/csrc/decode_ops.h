@@ -8,6 +8,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace pybind11 {
 class module_;
@@ -45,6 +47,11 @@ void gdn_head_avx2(const float* S, float* out, const float* q, const float* k, c
                    float beta, int64_t K, int64_t V, float* o, float* tmp, const float* next);
 std::string gdn_head_isa();
 void set_gdn_head_isa(const std::string& isa);
+// The best form within an ISA cap ("avx512" or "avx2") on this CPU.
+std::string gdn_head_isa_within(const std::string& cap);
+// Calls of `heads` (decode_ops.cpp) per form, for the test run's summary of the paths it exercised.
+void count_gdn_head_call();
+std::vector<std::pair<std::string, int64_t>> gdn_head_calls();
 
 }  // namespace kvstate::dec
 

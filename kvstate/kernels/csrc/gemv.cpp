@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,32 @@ std::vector<std::string> isas() {
   return out;
 }
 
+// The best ISA "auto" may use (KVSTATE_KERNELS=avx2 or avx512, applied at load): 0 amx, 1 avx512, 2 avx2.
+std::atomic<int> isa_cap{0};
+const char* const kIsaNames[] = {"amx", "avx512", "avx2"};
+
+int isa_rank(const std::string& isa) {
+  for (int i = 0; i < 3; ++i)
+    if (isa == kIsaNames[i]) return i;
+  return -1;
+}
+
+// The best ISA this CPU has within the cap.
+std::string auto_isa(const std::vector<std::string>& have) {
+  for (const auto& isa : have)
+    if (isa_rank(isa) >= isa_cap.load(std::memory_order_relaxed)) return isa;
+  return have.back();
+}
+
+void set_isa_cap(const std::string& cap) {
+  TORCH_CHECK(cap == "auto" || isa_rank(cap) >= 0, "kvstate kernels: ISA cap auto, amx, avx512 or avx2, got ", cap);
+  isa_cap = cap == "auto" ? 0 : isa_rank(cap);
+  kvstate::dec::set_gdn_head_isa(kvstate::dec::gdn_head_isa_within(isa_cap >= 2 ? "avx2" : "avx512"));
+}
+
+// Calls per path since load (linear: the ISA its rows ran in), for the test run's summary.
+std::atomic<int64_t> linear_calls[3];
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa,
                      bool narrow, c10::optional<torch::Tensor> scale) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate gemv: CPU tensors only");
@@ -69,7 +96,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   }
   const std::vector<std::string> have = isas();
   TORCH_CHECK(!have.empty(), "kvstate gemv: this CPU has neither AVX-512 nor AVX2+FMA");
-  const std::string use = isa == "auto" ? have.front() : isa;
+  const std::string use = isa == "auto" ? auto_isa(have) : isa;
   TORCH_CHECK(std::find(have.begin(), have.end(), use) != have.end(), "kvstate gemv: ISA '", isa,
               "' not available on this CPU");
   const bool bf16 = w.scalar_type() == at::kBFloat16;
@@ -78,6 +105,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   // rest (for 1-2 rows it computes less, and either way the weights stream at memory speed).
   const bool use_amx = use == "amx" && (bf16 || i8) && M >= 3;
   const bool wide = use != "avx2";
+  linear_calls[use_amx ? 0 : wide ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
   x = x.contiguous();
@@ -142,5 +170,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the AMX tile configuration of m0 + m1 B columns, read back: rows of tiles 0..7, then their bytes per row",
         pybind11::arg("m0"), pybind11::arg("m1"));
   m.def("isas", &isas, "ISAs this CPU can run, best first");
+  m.def("set_isa_cap", &set_isa_cap, "the best ISA every kernel may use: auto (no cap), amx, avx512 or avx2",
+        pybind11::arg("cap"));
+  m.def("isa_cap", [] { return std::string(isa_cap == 0 ? "auto" : kIsaNames[isa_cap.load()]); },
+        "the cap set_isa_cap applied");
+  m.def("paths_run", [] {
+    std::map<std::string, int64_t> out;
+    for (int i = 0; i < 3; ++i) out[std::string("linear ") + kIsaNames[i]] = linear_calls[i].load();
+    for (const auto& [isa, n] : kvstate::dec::gdn_head_calls()) out["gdn head " + isa] = n;
+    return out;
+  }, "calls per kernel path since load: 'linear amx|avx512|avx2', 'gdn head avx512|avx2'");
   kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
 }
