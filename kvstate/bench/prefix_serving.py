@@ -12,8 +12,9 @@ first token is the prefill a policy leaves. Workloads (token ids, seeded; sizes 
 
 Policies share one loaded model (one `EngineCore` each, fresh per workload) and the same snapshot
 slots (`SERVING_POLICIES` here, all of them on the chats): off; aligned (vLLM's hybrid caching:
-state only at multiples of `align` tokens); prompt-end (kvstate before snapshots at length - 1 and hints: prompt ends, reply ends, branch points, every
-512 tokens); kvstate (the default: length - 1, message ends, "auto" intervals, branch points, reply ends).
+state only at multiples of `align` tokens); prompt-end (kvstate before snapshots at length - 1 and
+hints: prompt ends, reply ends, branch points, every 512 tokens); kvstate (the default: length - 1,
+message ends, "auto" intervals, branch points, reply ends).
 """
 
 from __future__ import annotations
