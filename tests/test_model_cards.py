@@ -25,7 +25,7 @@ def test_card_matches_the_tokenizer(name):
     assert f"| digits | {len(digits)} |" in card and max(map(len, digits)) == 2
     assert f"| words | {2 * len(words)} |" in card and f"{len(words)} word forms" in card
     assert all(n in card for n in FIRST_NAMES + LAST_NAMES)
-    listed = re.search(r"\*\*Words\*\* \(each also capitalised\): (.*?);", card, re.S).group(1).split()
+    listed = re.search(r"\*\*Words\*\* \(each also capitalised\): (.*?);", card, re.DOTALL).group(1).split()
     assert listed == list(WORDS) and {w.lower() for w in words} >= set(WORDS)
     assert f"--model {name}" in card
 
