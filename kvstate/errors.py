@@ -1,5 +1,5 @@
-"""The one exception type that reaches the user as a one-line message (CLI exit code 2), and the
-warning a prompt the checkpoint cannot read raises."""
+"""The exceptions that reach the user as a one-line message (CLI exit code 2), and the warning a
+prompt the checkpoint cannot read raises."""
 
 
 class KvstateError(ValueError):
