@@ -12,11 +12,11 @@ are imported on first use:
 
 __version__ = "0.1.0"
 
-from kvstate.errors import KvstateError
+from kvstate.errors import KvstateError, UnknownTokenWarning
 from kvstate.shipped import model_path
 
-__all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutput", "SamplingParams", "__version__",
-           "model_path"]
+__all__ = ["LLM", "CompletionOutput", "EngineCore", "KvstateError", "RequestOutput", "SamplingParams",
+           "UnknownTokenWarning", "__version__", "model_path"]
 
 # name -> module, imported on first use (LLM and EngineCore load torch when built)
 _LAZY = {"LLM": "kvstate.llm", "EngineCore": "kvstate.engine.core", "SamplingParams": "kvstate.engine.params",

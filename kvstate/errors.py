@@ -1,4 +1,5 @@
-"""The one exception type that reaches the user as a one-line message (CLI exit code 2)."""
+"""The exceptions that reach the user as a one-line message (CLI exit code 2), and the warning a
+prompt the checkpoint cannot read raises."""
 
 
 class KvstateError(ValueError):
@@ -11,3 +12,7 @@ class ConfigFieldError(KvstateError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class UnknownTokenWarning(UserWarning):
+    """A prompt has words the checkpoint's tokenizer maps to its unknown token (the model reads `<unk>`)."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from typing import Iterator
 
 from kvstate.engine.collector import RequestCollector
 from kvstate.engine.core import EngineCore
 from kvstate.engine.outputs import EngineOutput, RequestOutput, StreamEvent
 from kvstate.engine.params import SamplingParams
-from kvstate.errors import KvstateError
+from kvstate.errors import KvstateError, UnknownTokenWarning
 
 
 def cache_prefix_points(tokenizer, value, ids: list[int]) -> dict[int, str]:
@@ -89,6 +90,7 @@ class LLM:
                                  runner_class=runner_class)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
+        self._warned_prompts: set[str] = set()  # prompt texts already warned about unknown words
 
     # what the engine is made of (read-only views for the CLI, benchmarks and tests)
     model = property(lambda self: self.engine.model)
@@ -136,6 +138,7 @@ class LLM:
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._warn_unknown(text, ids, stacklevel=3)  # the caller of chat()
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             ends = []
             if self.engine.scheduler.prefix is not None:
@@ -185,11 +188,27 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise KvstateError("this checkpoint has no tokenizer.json: give prompts as lists of token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            self._warn_unknown(prompt, ids, stacklevel=5)  # the caller of generate() / stream()
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise KvstateError(f"prompt must be a string or a list of token ids, "
                            f"got {type(prompt).__name__} ({prompt!r:.40})")
+
+    def _warn_unknown(self, text: str, ids: list[int], *, stacklevel: int) -> None:
+        """Warn once per distinct prompt whose words the tokenizer does not know: the model reads
+        `<unk>` for each, silently (the shipped models know 1,321 tokens, see their model cards)."""
+        unk = self.tokenizer.unk_id
+        if unk is None or unk not in ids or text in self._warned_prompts:
+            return
+        self._warned_prompts.add(text)
+        words = self.tokenizer.unknown_words(text)
+        count = len(words) or ids.count(unk)
+        first = f", first {words[0]!r}" if words else ""
+        warnings.warn(f"the prompt has {count} word{'s' * (count != 1)} this checkpoint's tokenizer does not "
+                      f"know{first}: the model reads its unknown token for {'them' if count != 1 else 'it'}",
+                      UnknownTokenWarning, stacklevel=stacklevel)
 
     # -- outputs out -----------------------------------------------------------------------------
     def _step(self) -> list[EngineOutput]:

@@ -2,8 +2,9 @@
 
 Two tiny Qwen3.5-architecture checkpoints trained here by `kvstate recall train-default`
 (kvstate/data/models/<name>/: config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with a chat template). They are the same size and training; the hybrid
-has a full-attention layer after every three Gated DeltaNet layers, the linear one none:
+tokenizer_config.json with a chat template, and a model card, README.md). They are the same size
+and training; the hybrid alternates Gated DeltaNet and full attention (GAGA), the linear one is
+Gated DeltaNet only (GGGG):
 
     kvstate.model_path("kvstate-phonebook-hybrid")   -> Path of its checkpoint directory
 

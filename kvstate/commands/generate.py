@@ -13,12 +13,13 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections import Counter
 
 from kvstate.terminal.arg_types import count_arg, seed_arg, whole_number
 from kvstate.terminal.engine_args import (  # noqa: F401 (speculative_config is used by run)
     add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
-from kvstate.errors import KvstateError
+from kvstate.errors import KvstateError, UnknownTokenWarning
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +119,17 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outputs = []
     streaming = not args.json and len(prompts) == 1 and args.n == 1
-    for ev in llm.stream(prompts, params):
+    with warnings.catch_warnings(record=True) as caught:  # the prompts are tokenized here
+        warnings.simplefilter("always", UnknownTokenWarning)
+        events = llm.stream(prompts, params)
+    card = model / "README.md"
+    for w in caught:
+        if issubclass(w.category, UnknownTokenWarning):
+            hint = f" (what this model knows: {card})" if card.is_file() else ""
+            console.print(f"[yellow]warning:[/] {w.message}{hint}", soft_wrap=True, highlight=False)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for ev in events:
         if ev.finished:
             outputs.append(ev.output)
         elif streaming:

@@ -67,6 +67,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @property
+    def unk_id(self) -> int | None:
+        """Id of the unknown token (a word-level tokenizer's `<unk>`), or None: byte-level BPE has none."""
+        unk = getattr(self._tok.model, "unk_token", None)
+        return None if unk is None else self._tok.token_to_id(unk)
+
+    def unknown_words(self, text: str) -> list[str]:
+        """The pieces of `text` this tokenizer turns into its unknown token, in order."""
+        unk = self.unk_id
+        if unk is None:
+            return []
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return [text[a:b].strip() or text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk]
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token is not None:
