@@ -24,6 +24,7 @@ import random
 import sys
 import time
 
+from kvstate.models.tokenizer import common_prefix
 from kvstate.terminal.arg_types import seed_arg
 
 from kvstate.bench import prefix_serving as serving
@@ -38,15 +39,6 @@ SHAPES = {  # conversations, turns, system prompt, user message, reply tokens, a
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and short conversations (seconds)")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the conversations' token ids")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def make_engine(model, plan, policy: str, shape: dict):

@@ -112,7 +112,8 @@ class Tokenizer:
             other = [dict(m) for m in messages]
             other[k]["content"] = "\u2063" + str(other[k].get("content") or "")  # an invisible separator first
             try:
-                cuts.append(_common(text, self.apply_chat_template(other, add_generation_prompt=add_generation_prompt)))
+                other_text = self.apply_chat_template(other, add_generation_prompt=add_generation_prompt)
+                cuts.append(common_prefix(text, other_text))
             except KvstateError:
                 continue
         if add_generation_prompt:
@@ -122,11 +123,11 @@ class Tokenizer:
                     cuts.append(len(whole))
             except KvstateError:
                 pass
-        ends = {_common(self.encode(text[:c], add_special_tokens=False), ids) for c in cuts if c}
+        ends = {common_prefix(self.encode(text[:c], add_special_tokens=False), ids) for c in cuts if c}
         return sorted(p for p in ends if 0 < p < len(ids))
 
 
-def _common(a, b) -> int:
+def common_prefix(a, b) -> int:
     """Length of the common prefix of two sequences."""
     n = 0
     for x, y in zip(a, b):

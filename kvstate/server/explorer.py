@@ -34,7 +34,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from kvstate.errors import ConfigFieldError, KvstateError
-from kvstate.server.explorer_engine import StepRecorder
+from kvstate.server.explorer_engine import StepRecorder, run_greedy
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
 
@@ -138,7 +138,6 @@ def _engine_parts(request: Request):
 
 @router.post("/cache")
 async def cache_run(body: CacheRun, request: Request):
-    from kvstate.engine.params import SamplingParams
 
     loop, rec = _engine_parts(request)
     if lone_surrogate(body.prompt):
@@ -147,19 +146,10 @@ async def cache_run(body: CacheRun, request: Request):
     room = loop.core.max_model_len - body.max_tokens
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")
-    params = SamplingParams(temperature=0, max_tokens=body.max_tokens, ignore_eos=True)
-    sub = loop.submit([(ids, params)])
-    final = None
-    async with sub:
-        async for _, out in sub:
-            if out.finished:
-                final = out.output
-    if final is None or final.error:
-        raise ApiError(final.error if final is not None else "the request did not finish")
-    steps = rec.positions(sub.request_ids[0])
+    final, steps, request_id = await run_greedy(loop, rec, ids, body.max_tokens)
     text = final.outputs[0].text if final.outputs else ""
     return {"prompt_tokens": len(ids), "output_tokens": len(final.outputs[0].token_ids), "text": text,
-            "request_id": sub.request_ids[0], "steps": steps,
+            "request_id": request_id, "steps": steps,
             "with_cache_total": sum(s["with_cache"] for s in steps),
             "without_cache_total": sum(s["without_cache"] for s in steps)}
 

@@ -160,3 +160,20 @@ class StepRecorder:
         for r in list(self.history.get(str(request_id), ())):
             rows.append({**r, "with_cache": r["computed"], "without_cache": r["context"] + r["computed"]})
         return rows
+
+
+async def run_greedy(loop, rec: StepRecorder, ids: list[int], max_tokens: int):
+    """Run `ids` greedily for `max_tokens` through the server's engine loop; (the finished
+    RequestOutput, the steps the recorder saw of it, its engine request id). Raises ApiError when it did not finish."""
+    from kvstate.engine.params import SamplingParams
+    from kvstate.server.protocol import ApiError
+
+    sub = loop.submit([(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))])
+    final = None
+    async with sub:
+        async for _, out in sub:
+            if out.finished:
+                final = out.output
+    if final is None or final.error:
+        raise ApiError(final.error if final is not None else "the request did not finish")
+    return final, rec.positions(sub.request_ids[0]), sub.request_ids[0]

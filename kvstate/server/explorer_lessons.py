@@ -223,7 +223,7 @@ class TimedRun(BaseModel):
 
 @router.post("/cache/time")
 async def cache_time(body: TimedRun, request: Request):
-    from kvstate.engine.params import SamplingParams
+    from kvstate.server.explorer_engine import run_greedy
     from kvstate.server.explorer_timing import on_off_ms
 
     loop = _engine(request)
@@ -240,17 +240,8 @@ async def cache_time(body: TimedRun, request: Request):
     if recomputed > MAX_RECOMPUTED:
         raise ApiError(f"without the cache this recomputes {recomputed:,} positions (a {len(ids)}-token prompt, "
                        f"{n} tokens); keep it under {MAX_RECOMPUTED:,}: a shorter prompt or fewer tokens")
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    sub = loop.submit([(ids, params)])
-    final = None
-    async with sub:
-        async for _, out in sub:
-            if out.finished:
-                final = out.output
-    if final is None or final.error:
-        raise ApiError(final.error if final is not None else "the request did not finish")
+    final, steps, _ = await run_greedy(loop, rec, ids, n)
     out_ids = list(final.outputs[0].token_ids)
-    steps = rec.positions(sub.request_ids[0])
     # the last generated token is never fed back: the steps cover prompt + out_ids[:-1]
     timed = await _in_thread(request, lambda: on_off_ms(loop.core.model, ids + out_ids, steps))
     rows = [{**s, "engine_ms": s.pop("ms"), "with_cache_ms": on, "without_cache_ms": off}
