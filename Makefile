@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvstate tests
 
 test: $(STAMP) $(KERNELS) lint
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 bench: $(STAMP) $(KERNELS)
 	$(BIN)/kvstate bench ops

@@ -34,7 +34,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from kvstate.errors import ConfigFieldError, KvstateError
-from kvstate.server.explorer_engine import StepRecorder, run_greedy
+from kvstate.server.explorer_engine import StepRecorder, run_greedy, served_loop
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
 
@@ -127,13 +127,7 @@ class CacheRun(BaseModel):
 
 
 def _engine_parts(request: Request):
-    loop = getattr(request.app.state, "engine_loop", None)
-    if loop is None:
-        raise ApiError("no model is loaded by this server", status=409)
-    if loop.core.tokenizer is None:
-        raise ApiError("the served checkpoint has no tokenizer.json: the explorer needs one for text prompts",
-                       status=409)
-    return loop, recorder(request.app)
+    return served_loop(request), recorder(request.app)
 
 
 @router.post("/cache")

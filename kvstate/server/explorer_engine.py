@@ -162,6 +162,20 @@ class StepRecorder:
         return rows
 
 
+def served_loop(request):
+    """The server's engine loop, for explorer routes that run the served model on text; ApiError
+    (409) when no model is loaded or its checkpoint has no tokenizer."""
+    from kvstate.server.protocol import ApiError
+
+    loop = getattr(request.app.state, "engine_loop", None)
+    if loop is None:
+        raise ApiError("no model is loaded by this server", status=409)
+    if loop.core.tokenizer is None:
+        raise ApiError("the served checkpoint has no tokenizer.json: the explorer needs one for text prompts",
+                       status=409)
+    return loop
+
+
 async def run_greedy(loop, rec: StepRecorder, ids: list[int], max_tokens: int):
     """Run `ids` greedily for `max_tokens` through the server's engine loop; (the finished
     RequestOutput, the steps the recorder saw of it, its engine request id). Raises ApiError when it did not finish."""

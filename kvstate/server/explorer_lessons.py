@@ -27,6 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from kvstate.errors import KvstateError
+from kvstate.server.explorer_engine import served_loop
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
 
@@ -50,16 +51,6 @@ def _check_text(prompt: str) -> None:
     """A lone surrogate ("\\ud800" in JSON) is not text a tokenizer takes: a 400, not a 500."""
     if lone_surrogate(prompt):
         raise ApiError("the prompt holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param="prompt")
-
-
-def _engine(request: Request):
-    loop = getattr(request.app.state, "engine_loop", None)
-    if loop is None:
-        raise ApiError("no model is loaded by this server", status=409)
-    if loop.core.tokenizer is None:
-        raise ApiError("the served checkpoint has no tokenizer.json: the explorer needs one for text prompts",
-                       status=409)
-    return loop
 
 
 def model_lock(app) -> threading.Lock:
@@ -98,7 +89,7 @@ class GatesRun(BaseModel):
 async def gates(body: GatesRun, request: Request):
     from kvstate.server import explorer_gates as eg
 
-    loop = _engine(request)
+    loop = served_loop(request)
     core = loop.core
     _check_text(body.prompt)
     all_ids = await run_in_threadpool(core.tokenizer.encode, body.prompt)
@@ -148,7 +139,7 @@ async def compare(body: CompareRun, request: Request):
     from kvstate.server import explorer_compare as ec
     from kvstate.server import explorer_recall
 
-    loop = _engine(request)
+    loop = served_loop(request)
     core = loop.core
     other = (body.other or "").strip() or ec.default_other(core.plan)
     try:
@@ -226,7 +217,7 @@ async def cache_time(body: TimedRun, request: Request):
     from kvstate.server.explorer_engine import run_greedy
     from kvstate.server.explorer_timing import on_off_ms
 
-    loop = _engine(request)
+    loop = served_loop(request)
     rec = getattr(request.app.state, "explorer_recorder", None)
     if rec is None:
         raise ApiError("the explorer's step recorder is not running", status=409)

@@ -32,6 +32,17 @@ def explorer_app(path: Path):
     return create_app(llm, model_name=MODEL_NAME, routers=[explorer.router])
 
 
+def explorer_client(path: Path):
+    """A TestClient over `explorer_app(path)` for the length of a fixture (`yield from`); the app
+    is `client.app_ref`."""
+    from fastapi.testclient import TestClient
+
+    app = explorer_app(path)
+    with TestClient(app) as client:
+        client.app_ref = app
+        yield client
+
+
 def wait_idle(app, timeout: float = 30.0) -> dict:
     """The app's engine loop stats once nothing is running, waiting or queued."""
     return wait_loop_idle(app.state.engine_loop, timeout)

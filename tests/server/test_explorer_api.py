@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.browser.server import CHUNK, MODEL_NAME, explorer_app, wait_idle, write_checkpoint
+from tests.browser.server import CHUNK, MODEL_NAME, explorer_client, wait_idle, write_checkpoint
 
 CONTEXTS = (8192, 131072)
 
@@ -31,12 +31,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(ckpt):
-    from fastapi.testclient import TestClient
-
-    app = explorer_app(ckpt)
-    with TestClient(app) as c:
-        c.app_ref = app
-        yield c
+    yield from explorer_client(ckpt)
 
 
 @pytest.fixture(scope="module")

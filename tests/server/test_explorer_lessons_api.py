@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from kvstate.errors import KvstateError  # noqa: E402
 from kvstate.server import explorer_gates as eg  # noqa: E402
 from kvstate.server.explorer_scale import scenario  # noqa: E402
-from tests.browser.server import explorer_app, write_checkpoint  # noqa: E402
+from tests.browser.server import explorer_app, explorer_client, write_checkpoint  # noqa: E402
 
 BENCH = {"model": "random Qwen3.5-style 0.5b", "weight_dtype": "float32", "prefill_tokens": 1024,
          "weight_bytes": 2 * 10**9,
@@ -40,12 +40,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(ckpt):
-    from fastapi.testclient import TestClient
-
-    app = explorer_app(ckpt)
-    with TestClient(app) as c:
-        c.app_ref = app
-        yield c
+    yield from explorer_client(ckpt)
 
 
 def test_cartoon_stops_are_the_documents_readout():
