@@ -85,7 +85,8 @@ class ModelRunner:
         device = self.model.device
         batch = Batch.from_spec(spec, device=device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        with small_ops_serial() if batch.decode_only and self.serial_small_ops else contextlib.nullcontext():
+        one_query_per_row = batch.decode_only or batch.verify_group is not None  # decode, or verify drafts
+        with small_ops_serial() if one_query_per_row and self.serial_small_ops else contextlib.nullcontext():
             if self.keep_hidden:
                 logits, self.hidden = self.model(ids, batch, self.caches, hidden=True)
                 self.hidden_offsets = batch.token_offsets

@@ -19,10 +19,14 @@ Greedy drafts are one-hot, which the rejection sampler assumes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvstate.engine.sequence import SequenceStatus
+from kvstate.kernels.threads import small_ops_serial
 from kvstate.models.batch import Batch
+from kvstate.profiling import timed
 
 
 SHORT = 16  # entries of at most this many tokens run through the per-token attention kernel
@@ -39,6 +43,7 @@ class MtpDrafter:
     def release(self, seq) -> None:
         self.ready.pop(seq, None)
 
+    @timed("drafter")
     @torch.inference_mode()
     def observe(self, step) -> None:
         """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
@@ -68,6 +73,7 @@ class MtpDrafter:
             else:
                 self.ready.pop(seq, None)
 
+    @timed("drafter")
     @torch.inference_mode()
     def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
         """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
@@ -105,4 +111,7 @@ class MtpDrafter:
         if "verify" in modes:  # one logits row per entry, its last token's (a verify entry would give all)
             batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
         ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
+        # the runner's thread policy of a decode step: small ops on one thread, weight streaming on all
+        serial = batch.decode_only and self.runner.serial_small_ops
+        with small_ops_serial() if serial else contextlib.nullcontext():
+            return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)

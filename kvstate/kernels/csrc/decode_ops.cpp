@@ -346,6 +346,14 @@ Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Ten
                   const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H) {
   return ::gdn_decode(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w, norm_eps, scale, H);
 }
+std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
+                                              Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
+                                              const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
+                                              const Tensor& dt_bias, const Tensor& norm_w, double norm_eps,
+                                              double scale, int64_t H) {
+  return ::gdn_verify(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, cu_seqlens, A_log, dt_bias, norm_w,
+                      norm_eps, scale, H);
+}
 }  // namespace kvstate::op
 
 namespace kvstate {
