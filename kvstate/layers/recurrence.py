@@ -116,21 +116,22 @@ def _windows(state: torch.Tensor, x: torch.Tensor, batch, group) -> torch.Tensor
 def keep_states(batch, keep: dict[int, int]) -> None:
     """Roll the verify entries back: entry i (batch index) keeps the state after its first `keep[i]`
     tokens (>= 1). The pools hold the state after all of them, so only shorter ones are written."""
+    # row by row into the pool's own rows: an index_select would first copy each kept state (~1 MiB
+    # per layer on the 0.5b model) into a fresh tensor
+    host_slots: dict[int, list[int]] = {}
     for pool, group, states in batch.rollback:  # states [T_g, *row]
-        rows, slots, start = [], [], 0
+        start = 0
         for j, e in enumerate(group.entries):
             q = batch.query_lens[e]
             k = keep.get(e, q)
             if not 1 <= k <= q:
                 raise ValueError(f"entry {e} cannot keep {k} of its {q} verified tokens")
             if k < q:
-                rows.append(start + k - 1)
-                slots.append(j)
+                slots = host_slots.get(id(group))
+                if slots is None:
+                    slots = host_slots[id(group)] = group.slots.tolist()
+                pool[slots[j]].copy_(states[start + k - 1])
             start += q
-        if rows:
-            idx = torch.tensor(slots, dtype=torch.int64, device=group.slots.device)
-            pick = torch.tensor(rows, dtype=torch.int64, device=states.device)
-            pool.index_copy_(0, group.slots.index_select(0, idx), states.index_select(0, pick).to(pool.dtype))
     batch.rollback.clear()
 
 
