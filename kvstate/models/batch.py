@@ -118,20 +118,19 @@ class Batch:
         if any(m == "decode" and q != 1 for m, q in zip(modes, query_lens)):
             raise ValueError("a decode entry computes exactly one token")
         offsets = [0, *accumulate(query_lens)]
-        # index arithmetic on small host tensors (serial, no device sync), each moved to `device` once
+        # the index arithmetic on host lists, one tensor each at the end: a decode step's dozen small
+        # torch ops cost more than its whole model forward on a small model (kvstate-phonebook-hybrid)
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         to = lambda t: t if device is None else t.to(device, non_blocking=True)  # noqa: E731
 
         width = max(1, max((len(t) for t in block_tables), default=0))
-        tables = as_t([list(t) + [-1] * (width - len(t)) for t in block_tables]).view(n, width)
+        padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
+        tables = as_t(padded).view(n, width)
         cu = as_t(offsets)
-        # [T] entry of each token: how many entries end at or before it. (Not repeat_interleave: its CPU
-        # kernel always wakes the thread pool, milliseconds on a busy machine.)
-        ends = cu[1:n]
-        entry = torch.zeros(offsets[-1] + 1, dtype=torch.int64).index_add_(0, ends, torch.ones_like(ends))
-        entry = entry[:-1].cumsum(0)
-        positions = torch.arange(offsets[-1]) - cu[entry] + as_t(context_lens)[entry]
-        kv_indices = tables[entry, positions // block_size] * block_size + positions % block_size
+        entry = [i for i, q in enumerate(query_lens) for _ in range(q)]  # [T] entry of each token
+        pos = [c + j for q, c in zip(query_lens, context_lens) for j in range(q)]
+        positions = as_t(pos)
+        kv_indices = as_t([padded[i][p // block_size] * block_size + p % block_size for i, p in zip(entry, pos)])
 
         if logits == "all":
             if sample_rows is not None:
@@ -151,7 +150,7 @@ class Batch:
         if "verify" in modes and "prefill" not in modes:
             verify_group = groups[0] if len(groups) == 1 else \
                 _group("verify", list(range(n)), query_lens, context_lens, offsets, slots, to)
-            token_tables = to(tables.index_select(0, entry))
+            token_tables = to(as_t([padded[i] for i in entry]).view(len(entry), width))
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
                    cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),
