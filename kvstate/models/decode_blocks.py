@@ -77,7 +77,7 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
         big = kdecode.state_bytes(cache.state, x.shape[0]) >= kdecode.WIDE_STATE_BYTES
         x, delta, states, windows = entry.verify(x, delta, cache.conv, cache.state, group.slots, group.cu_seqlens,
                                                  wide, big)
-        batch.rollback += [(cache.state, group, states), (cache.conv, group, windows)]  # for keep_states
+        batch.rollback += [(cache.state, group, states, True), (cache.conv, group, windows, True)]  # keep_states
         return x, delta
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks] in verify
     big = kdecode.kv_bytes(batch, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
