@@ -24,6 +24,7 @@ verify entry: each row judges one draft), or with logits="all" every token, for 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from bisect import bisect_right
 from itertools import accumulate
 
 import torch
@@ -93,6 +94,33 @@ class Batch:
     def decode_only(self) -> bool:
         """Every entry is a decode (one token through the recurrent op / the absorbed MLA form)."""
         return all(m == "decode" for m in self.modes)
+
+    def decode_at(self, rows: list[int]) -> "Batch":
+        """A decode-only step of one token at each of this step's token `rows` (sorted, distinct): the
+        same positions, KV rows, block tables and state slots, sliced from this step's tensors. For a
+        drafter that runs at positions the target just computed (the MTP head keeps its KV at them):
+        equal to `Batch.build` of that step, without rebuilding it."""
+        n = len(rows)
+        entries = [bisect_right(self.token_offsets, r) - 1 for r in rows]
+        context = [self.context_lens[e] + r - self.token_offsets[e] for e, r in zip(entries, rows)]
+        device = self.positions.device
+        if n == 1:  # views, no index tensors
+            pick_rows, pick_entries = slice(rows[0], rows[0] + 1), slice(entries[0], entries[0] + 1)
+        else:
+            pick_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            pick_entries = torch.tensor(entries, dtype=torch.int64, device=device)
+        tables = self.token_tables[pick_rows] if self.token_tables is not None else self.block_tables[pick_entries]
+        slots = self.state_slots[pick_entries]
+        cu = torch.arange(n + 1, device=device)
+        fresh = [j for j, c in enumerate(context) if c == 0]
+        fresh_slots = None if not fresh else slots if len(fresh) == n else \
+            slots.index_select(0, torch.tensor(fresh, dtype=torch.int64, device=device))
+        group = StateGroup("decode", list(range(n)), slice(0, n), n, cu, slots, fresh_slots)
+        return Batch(query_lens=[1] * n, context_lens=context, kv_lens=[c + 1 for c in context],
+                     token_offsets=list(range(n + 1)), modes=["decode"] * n, cu_seqlens=cu,
+                     positions=self.positions[pick_rows], state_slots=slots, block_tables=tables,
+                     kv_indices=self.kv_indices[pick_rows], block_size=self.block_size, logits_indices=cu[:n],
+                     groups=(group,))
 
     @classmethod
     def from_spec(cls, spec: BatchSpec, *, device=None) -> "Batch":

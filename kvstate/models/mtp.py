@@ -44,4 +44,5 @@ class MtpHead(nn.Module):
             y = self.norm.add_forward(x, delta)[1]  # [T, H]
         else:
             y = self.norm(self.layers[0](x, batch, cache))
-        return lm_head(y.index_select(0, batch.logits_indices)).float(), y
+        rows = y if batch.decode_only else y.index_select(0, batch.logits_indices)  # decode: every row, in order
+        return lm_head(rows).float(), y
