@@ -208,3 +208,22 @@ def test_memory_reports_the_heads_kv(family, capsys):
     assert row["mtp_kv_bytes_per_token"] == 2 * hf.config.num_key_value_heads * hf.config.head_dim * 4
     assert main(["memory", str(path)]) == 0
     assert "MTP block adds" in capsys.readouterr().out
+
+
+def test_a_bf16_target_runs_its_head_in_bf16_through_the_same_kernels(family):
+    """The head's matrices are stored as the target's (bf16 through kvstate's GEMV, fused projections,
+    its block compiled where the target's attention blocks are) and greedy output stays exact."""
+    from kvstate.kernels import Linear
+
+    name, hf, path, mtp = family
+    llm = mtp_llm(path, 2, weight_dtype="bf16")
+    head = llm.model.mtp
+    linears = [m for m in head.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert head.layers[0].mixer.q_proj.fused_group is not None
+    compiled = decode_blocks.plan(head)[0][0] is not None
+    assert compiled == (decode_blocks.plan(llm.model)[0][1] is not None)  # as the target's attention block
+    prompt = random_ids(VOCAB, 13, 5)
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    assert out == greedy_generate(llm.model, prompt, GREEDY.max_tokens)
+    assert llm.engine.proposer.num_draft_tokens > 0
