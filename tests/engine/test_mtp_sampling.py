@@ -1,11 +1,12 @@
 """Sampling with the MTP drafter keeps the target's distribution (kvstate.engine.speculative.mtp).
 
 The shipped kvstate-phonebook-hybrid (a tiny model with a trained head) continues a copy chat with
-temperature 4 and top-k 3 (spread enough that drafts are often rejected), three tokens per request, many seeded requests: the second token comes
-out of a verify step with the head's draft (accepted or rejected), the third from its bonus row or
-a plain step. The joint counts of the three tokens must follow the target's own probabilities,
-computed from its logits over every prefix (chi-square at p = 0.001); the same counts against
-the distribution of a slightly different temperature fail, so the test can fail.
+temperature 4 and top-k 3 (spread enough that drafts are often rejected), three tokens per request,
+many seeded requests: the second token comes out of a verify step with the head's draft (accepted
+or rejected), the third from its bonus row or a plain step. The joint counts of the three tokens
+must follow the target's own probabilities, computed from its logits over every prefix (chi-square
+at p = 0.001); the same counts against the distribution of a slightly different temperature fail,
+so the test can fail.
 """
 
 import torch
