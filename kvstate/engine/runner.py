@@ -38,7 +38,7 @@ class ModelRunner:
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
                  conv_window: str = "kernel", seed: int | None = None, mtp: bool = False):
         """`mtp`: the pools hold the MTP head's KV too (after the decoder's layers), and each step keeps
-        the target's hidden states for it (`hidden`, `hidden_offsets`: kvstate.engine.speculative.mtp)."""
+        the target's hidden states for it (`hidden`, `hidden_batch`: kvstate.engine.speculative.mtp)."""
         self.model, self.plan, self.block_size = model, plan, block_size
         self.cache_spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
                                      conv_window=conv_window, mtp=mtp)
@@ -54,7 +54,7 @@ class ModelRunner:
         self.serial_small_ops = True
         self.keep_hidden = mtp
         self.hidden: torch.Tensor | None = None  # [T, hidden] of the last step, with keep_hidden
-        self.hidden_offsets: list[int] = []  # [N + 1] each entry's rows in `hidden`
+        self.hidden_batch: Batch | None = None  # the step `hidden` came from (its token_offsets: each entry's rows)
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -85,10 +85,11 @@ class ModelRunner:
         device = self.model.device
         batch = Batch.from_spec(spec, device=device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        with small_ops_serial() if batch.decode_only and self.serial_small_ops else contextlib.nullcontext():
+        one_query_per_row = batch.decode_only or batch.verify_group is not None  # decode, or verify drafts
+        with small_ops_serial() if one_query_per_row and self.serial_small_ops else contextlib.nullcontext():
             if self.keep_hidden:
                 logits, self.hidden = self.model(ids, batch, self.caches, hidden=True)
-                self.hidden_offsets = batch.token_offsets
+                self.hidden_batch = batch
             else:  # only the sampled entries' rows reach the LM head
                 logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None

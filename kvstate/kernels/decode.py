@@ -162,8 +162,9 @@ def gdn_verify(qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Ten
                dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, num_k_heads: int):
     """`gdn_decode` for entries of several tokens (speculative decoding's verify step; `group` covers
     the whole step, its cu_seqlens the entries' tokens): -> (o [T, HV * V], states [T, HV, K, V],
-    windows [T, D, S]), the state and conv window after every token; the pools end at each entry's
-    last token. The caller has zeroed fresh entries' slots. None when not served."""
+    windows [T, D, S]), the state and conv window after every token but each entry's first, whose
+    state the pools hold (updated in place, as a decode; `recurrence.keep_states` copies a longer
+    kept run's). The caller has zeroed fresh entries' slots. None when not served."""
     ext = _ext_for(qkv.shape[0], qkv, z, a, b, conv_pool, conv_weight, state_pool, A_log, dt_bias, norm_weight)
     if ext is None or not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
         return None

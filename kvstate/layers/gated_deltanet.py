@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
                 out = kdecode.gdn_verify(qkv, z, a, b, **args)  # (o, states, windows), or None
                 o = None if out is None else out[0]
                 if out is not None:  # the state and conv window after every token, for keep_states
-                    batch.rollback += [(cache.state, group, out[1]), (cache.conv, group, out[2])]
+                    batch.rollback += [(cache.state, group, out[1], True), (cache.conv, group, out[2], True)]
             if o is not None:
                 return self.out_proj(o)
         qkv = short_conv(qkv, cache.conv, batch, self.conv_weight, None, self.act)  # [T, conv_dim]

@@ -13,6 +13,8 @@ for decode) and hands over its per-token inputs; this module owns everything aro
   with cu_seqlens) run the recurrent op with `output_all_states`: the pool gets the state after
   the last token, and the state (and conv window) after every token is left in `batch.rollback`;
   once the engine knows how many tokens each entry keeps, `keep_states` writes that one back.
+  (The compiled verify kernel, `kernels.decode.gdn_verify`, leaves the pool at each entry's first
+  token instead, which is always kept: a rollback entry says which.)
   Rollback is choosing a state the forward already computed: no recompute.
 """
 
@@ -83,7 +85,7 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
             y = y[0]
             _write(pool, group, final)
             if group.mode == "verify":
-                batch.rollback.append((pool, group, _windows(state, xg, batch, group)))
+                batch.rollback.append((pool, group, _windows(state, xg, batch, group), False))
         parts.append((group.rows, y))
     return _scatter(parts, x.shape[0])
 
@@ -115,22 +117,25 @@ def _windows(state: torch.Tensor, x: torch.Tensor, batch, group) -> torch.Tensor
 
 def keep_states(batch, keep: dict[int, int]) -> None:
     """Roll the verify entries back: entry i (batch index) keeps the state after its first `keep[i]`
-    tokens (>= 1). The pools hold the state after all of them, so only shorter ones are written."""
-    for pool, group, states in batch.rollback:  # states [T_g, *row]
-        rows, slots, start = [], [], 0
+    tokens (>= 1). `batch.rollback` holds (pool, group, states [T_g, *row], first): the pool holds
+    each entry's state after its first token (`first`) or after all of them; only other counts are
+    written."""
+    # row by row into the pool's own rows: an index_select would first copy each kept state (~1 MiB
+    # per layer on the 0.5b model) into a fresh tensor
+    host_slots: dict[int, list[int]] = {}
+    for pool, group, states, first in batch.rollback:
+        start = 0
         for j, e in enumerate(group.entries):
             q = batch.query_lens[e]
             k = keep.get(e, q)
             if not 1 <= k <= q:
                 raise ValueError(f"entry {e} cannot keep {k} of its {q} verified tokens")
-            if k < q:
-                rows.append(start + k - 1)
-                slots.append(j)
+            if k != (1 if first else q):
+                slots = host_slots.get(id(group))
+                if slots is None:
+                    slots = host_slots[id(group)] = group.slots.tolist()
+                pool[slots[j]].copy_(states[start + k - 1])
             start += q
-        if rows:
-            idx = torch.tensor(slots, dtype=torch.int64, device=group.slots.device)
-            pick = torch.tensor(rows, dtype=torch.int64, device=states.device)
-            pool.index_copy_(0, group.slots.index_select(0, idx), states.index_select(0, pick).to(pool.dtype))
     batch.rollback.clear()
 
 
@@ -172,7 +177,7 @@ def _verify(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: 
     clear_fresh(pool, group)
     o, _, states = ops.recurrent(**xs, **kwargs, initial_state=pool, state_indices=group.slots,
                                  inplace_final_state=True, cu_seqlens=group.cu_seqlens, output_all_states=True)
-    batch.rollback.append((pool, group, states[0]))  # [T_g, *state]
+    batch.rollback.append((pool, group, states[0], False))  # [T_g, *state]; the pool at the last token
     return o
 
 

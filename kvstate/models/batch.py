@@ -24,6 +24,7 @@ verify entry: each row judges one draft), or with logits="all" every token, for 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from bisect import bisect_right
 from itertools import accumulate
 
 import torch
@@ -94,6 +95,33 @@ class Batch:
         """Every entry is a decode (one token through the recurrent op / the absorbed MLA form)."""
         return all(m == "decode" for m in self.modes)
 
+    def decode_at(self, rows: list[int]) -> "Batch":
+        """A decode-only step of one token at each of this step's token `rows` (sorted, distinct): the
+        same positions, KV rows, block tables and state slots, sliced from this step's tensors. For a
+        drafter that runs at positions the target just computed (the MTP head keeps its KV at them):
+        equal to `Batch.build` of that step, without rebuilding it."""
+        n = len(rows)
+        entries = [bisect_right(self.token_offsets, r) - 1 for r in rows]
+        context = [self.context_lens[e] + r - self.token_offsets[e] for e, r in zip(entries, rows)]
+        device = self.positions.device
+        if n == 1:  # views, no index tensors
+            pick_rows, pick_entries = slice(rows[0], rows[0] + 1), slice(entries[0], entries[0] + 1)
+        else:
+            pick_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            pick_entries = torch.tensor(entries, dtype=torch.int64, device=device)
+        tables = self.token_tables[pick_rows] if self.token_tables is not None else self.block_tables[pick_entries]
+        slots = self.state_slots[pick_entries]
+        cu = torch.arange(n + 1, device=device)
+        fresh = [j for j, c in enumerate(context) if c == 0]
+        fresh_slots = None if not fresh else slots if len(fresh) == n else \
+            slots.index_select(0, torch.tensor(fresh, dtype=torch.int64, device=device))
+        group = StateGroup("decode", list(range(n)), slice(0, n), n, cu, slots, fresh_slots)
+        return Batch(query_lens=[1] * n, context_lens=context, kv_lens=[c + 1 for c in context],
+                     token_offsets=list(range(n + 1)), modes=["decode"] * n, cu_seqlens=cu,
+                     positions=self.positions[pick_rows], state_slots=slots, block_tables=tables,
+                     kv_indices=self.kv_indices[pick_rows], block_size=self.block_size, logits_indices=cu[:n],
+                     groups=(group,))
+
     @classmethod
     def from_spec(cls, spec: BatchSpec, *, device=None) -> "Batch":
         return cls.build(spec.query_lens, spec.context_lens, spec.state_slots, spec.block_tables, spec.block_size,
@@ -118,20 +146,19 @@ class Batch:
         if any(m == "decode" and q != 1 for m, q in zip(modes, query_lens)):
             raise ValueError("a decode entry computes exactly one token")
         offsets = [0, *accumulate(query_lens)]
-        # index arithmetic on small host tensors (serial, no device sync), each moved to `device` once
+        # the index arithmetic on host lists, one tensor each at the end: a decode step's dozen small
+        # torch ops cost more than its whole model forward on a small model (kvstate-phonebook-hybrid)
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         to = lambda t: t if device is None else t.to(device, non_blocking=True)  # noqa: E731
 
         width = max(1, max((len(t) for t in block_tables), default=0))
-        tables = as_t([list(t) + [-1] * (width - len(t)) for t in block_tables]).view(n, width)
+        padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
+        tables = as_t(padded).view(n, width)
         cu = as_t(offsets)
-        # [T] entry of each token: how many entries end at or before it. (Not repeat_interleave: its CPU
-        # kernel always wakes the thread pool, milliseconds on a busy machine.)
-        ends = cu[1:n]
-        entry = torch.zeros(offsets[-1] + 1, dtype=torch.int64).index_add_(0, ends, torch.ones_like(ends))
-        entry = entry[:-1].cumsum(0)
-        positions = torch.arange(offsets[-1]) - cu[entry] + as_t(context_lens)[entry]
-        kv_indices = tables[entry, positions // block_size] * block_size + positions % block_size
+        entry = [i for i, q in enumerate(query_lens) for _ in range(q)]  # [T] entry of each token
+        pos = [c + j for q, c in zip(query_lens, context_lens) for j in range(q)]
+        positions = as_t(pos)
+        kv_indices = as_t([padded[i][p // block_size] * block_size + p % block_size for i, p in zip(entry, pos)])
 
         if logits == "all":
             if sample_rows is not None:
@@ -151,7 +178,7 @@ class Batch:
         if "verify" in modes and "prefill" not in modes:
             verify_group = groups[0] if len(groups) == 1 else \
                 _group("verify", list(range(n)), query_lens, context_lens, offsets, slots, to)
-            token_tables = to(tables.index_select(0, entry))
+            token_tables = to(as_t([padded[i] for i in entry]).view(len(entry), width))
         return cls(query_lens=list(query_lens), context_lens=list(context_lens),
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
                    cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),

@@ -52,7 +52,8 @@ def per_op():
 
 def for_step(model, batch) -> list | None:
     """[compiled block or None per block] for this step, or None (not decode-only, or not served)."""
-    if not batch.decode_only or _off.get() or choice() != "auto" or torch.is_grad_enabled():
+    if not (batch.decode_only or batch.verify_group is not None) or _off.get() or choice() != "auto" \
+            or torch.is_grad_enabled():
         return None
     plans = getattr(model, "_decode_blocks", None)
     if plans is None or not all(g.intact() for g in plans[1]):  # a .to() since: build again
@@ -67,13 +68,20 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
     wide = serial_outer_threads() or 0
     kind, entry = entry
     if kind == "gdn":
-        group = batch.groups[0]
+        group = batch.groups[0] if batch.decode_only else batch.verify_group
         clear_fresh(cache.conv, group)  # entries with an empty cache start from zeros
         clear_fresh(cache.state, group)
-        big = kdecode.state_bytes(cache.state, len(group.slots)) >= kdecode.WIDE_STATE_BYTES
-        return entry.run(x, delta, cache.conv, cache.state, group.slots, wide, big)
+        if batch.decode_only:
+            big = kdecode.state_bytes(cache.state, len(group.slots)) >= kdecode.WIDE_STATE_BYTES
+            return entry.run(x, delta, cache.conv, cache.state, group.slots, wide, big)
+        big = kdecode.state_bytes(cache.state, x.shape[0]) >= kdecode.WIDE_STATE_BYTES
+        x, delta, states, windows = entry.verify(x, delta, cache.conv, cache.state, group.slots, group.cu_seqlens,
+                                                 wide, big)
+        batch.rollback += [(cache.state, group, states, True), (cache.conv, group, windows, True)]  # keep_states
+        return x, delta
+    tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks] in verify
     big = kdecode.kv_bytes(batch, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
-    return entry.run(x, delta, cache.k, cache.v, batch.positions, batch.block_tables, batch.kv_indices, wide, big)
+    return entry.run(x, delta, cache.k, cache.v, batch.positions, tables, batch.kv_indices, wide, big)
 
 
 def plan(model) -> tuple[list, list]:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvstate.models import decode_blocks
 from kvstate.models.decoder import Block
 
 
@@ -37,5 +38,11 @@ class MtpHead(nn.Module):
         batch.logits_indices, this head's output y [T, H])."""
         e = self.pre_fc_norm_embedding(embed(input_ids).to(hidden.dtype))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))  # [T, 2H] -> [T, H]
-        y = self.norm(self.layers[0](x, batch, cache))
-        return lm_head(y.index_select(0, batch.logits_indices)).float(), y
+        compiled = decode_blocks.for_step(self, batch)  # a decode step's block as one call, like the target's
+        if compiled is not None and compiled[0] is not None:
+            x, delta = decode_blocks.run(compiled[0], x, None, batch, cache)
+            y = self.norm.add_forward(x, delta)[1]  # [T, H]
+        else:
+            y = self.norm(self.layers[0](x, batch, cache))
+        rows = y if batch.decode_only else y.index_select(0, batch.logits_indices)  # decode: every row, in order
+        return lm_head(rows).float(), y

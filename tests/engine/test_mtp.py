@@ -21,6 +21,7 @@ from kvstate import LLM, SamplingParams
 from kvstate.cache.spec import cache_spec
 from kvstate.errors import KvstateError
 from kvstate.families import read_plan
+from kvstate.models import decode_blocks
 from kvstate.models.generate import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.models.checks import random_ids, redraw_weights
@@ -151,10 +152,15 @@ class Checked:
         return out
 
 
-def test_drafts_are_the_reference_heads_and_rejected_kv_is_rewritten(family):
-    """Every step's drafts equal the from-scratch reference, after acceptances and rejections alike."""
+def test_drafts_are_the_reference_heads_and_rejected_kv_is_rewritten(family, monkeypatch):
+    """Every step's drafts equal the from-scratch reference, after acceptances and rejections alike;
+    the head's one-token steps run its block compiled, like the target's decode steps (not MoE's)."""
     name, hf, path, mtp = family
     llm = mtp_llm(path, 3)
+    head_cache, compiled = llm.engine.runner.caches[-1], []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda e, x, d, b, cache: compiled.append(cache is head_cache)
+                        or real(e, x, d, b, cache))
     prompt = random_ids(VOCAB, 11, 3)
     expected = prompt + greedy_generate(llm.model, prompt, 12)
     proposer = llm.engine.proposer
@@ -163,6 +169,7 @@ def test_drafts_are_the_reference_heads_and_rejected_kv_is_rewritten(family):
     assert out[0].outputs[0].token_ids == expected[len(prompt):]
     assert proposer.drafter.checked >= 4
     assert 0 < proposer.num_accepted_tokens < proposer.num_draft_tokens
+    assert (sum(compiled) >= 8) == (name == "qwen3_5")
 
 
 def test_greedy_tokens_equal_plain_decoding_alone_batched_prefix_preempted(family):
@@ -201,3 +208,22 @@ def test_memory_reports_the_heads_kv(family, capsys):
     assert row["mtp_kv_bytes_per_token"] == 2 * hf.config.num_key_value_heads * hf.config.head_dim * 4
     assert main(["memory", str(path)]) == 0
     assert "MTP block adds" in capsys.readouterr().out
+
+
+def test_a_bf16_target_runs_its_head_in_bf16_through_the_same_kernels(family):
+    """The head's matrices are stored as the target's (bf16 through kvstate's GEMV, fused projections,
+    its block compiled where the target's attention blocks are) and greedy output stays exact."""
+    from kvstate.kernels import Linear
+
+    name, hf, path, mtp = family
+    llm = mtp_llm(path, 2, weight_dtype="bf16")
+    head = llm.model.mtp
+    linears = [m for m in head.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert head.layers[0].mixer.q_proj.fused_group is not None
+    compiled = decode_blocks.plan(head)[0][0] is not None
+    assert compiled == (decode_blocks.plan(llm.model)[0][1] is not None)  # as the target's attention block
+    prompt = random_ids(VOCAB, 13, 5)
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    assert out == greedy_generate(llm.model, prompt, GREEDY.max_tokens)
+    assert llm.engine.proposer.num_draft_tokens > 0

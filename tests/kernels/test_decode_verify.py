@@ -1,8 +1,9 @@
 """Speculative decoding's verify step on the per-token kernels (`kernels.decode.gdn_verify` and
 `attention_decode` with a block table per token) against the layers' torch path: entries of
 several tokens (the last known token and the drafts) beside plain decode entries, scattered slots
-and blocks; the same outputs, the same pools after the step, the same state and conv window after
-every token for the rollback, and the same pools once `keep_states` has rolled entries back."""
+and blocks; the same outputs, the same state and conv window after every token for the rollback
+(the kernel's pools hold each entry's first token's, torch's its last's), and the same pools once
+`keep_states` has rolled entries back."""
 
 from types import SimpleNamespace
 
@@ -52,14 +53,24 @@ def test_gdn_verify_equals_torch(heads, window, monkeypatch, gdn_isa):
             y = m(x, batch, cache)
         assert calls.count("gdn_verify") == 1, calls  # the per-token kernel ran, once for the layer
         assert rel(y, ref) < 1e-5
-        assert rel(cache.state, ref_cache.state) < 1e-5 and torch.equal(cache.conv, ref_cache.conv)
-        # the states after every token: the kernel keeps the whole step, torch each verify group's rows
-        verify_rows = torch.cat([torch.arange(ref_batch.token_offsets[i], ref_batch.token_offsets[i + 1])
-                                 for i in range(n) if lens[i] > 1])
-        for (pool, _, states), (ref_pool, _, ref_states) in zip(
+        # the states after every token: the kernel keeps the whole step but each entry's first token
+        # (its pools hold that one), torch each verify group's rows (its pools the last token's)
+        offsets = ref_batch.token_offsets
+        verify = [i for i in range(n) if lens[i] > 1]
+        verify_rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in verify])
+        later = torch.cat([torch.arange(offsets[i] + 1, offsets[i + 1]) for i in verify])
+        firsts = [offsets[i] for i in verify]
+        ref_later = [r for r, t in enumerate(verify_rows.tolist()) if t not in firsts]
+        ref_first = [r for r, t in enumerate(verify_rows.tolist()) if t in firsts]
+        for (pool, _, states, at_first), (ref_pool, _, ref_states, ref_at_first) in zip(
                 sorted(batch.rollback, key=lambda r: r[0].dim()), sorted(ref_batch.rollback, key=lambda r: r[0].dim())):
-            assert rel(states.index_select(0, verify_rows), ref_states) < 1e-5
-        keep = {i: 1 + i % lens[i] for i in range(n) if lens[i] > 1}  # some keep all their tokens
+            assert at_first and not ref_at_first
+            assert rel(states.index_select(0, later), ref_states[ref_later]) < 1e-5
+            assert rel(pool[torch.tensor(slots)[verify]], ref_states[ref_first].to(pool.dtype)) < 1e-5
+        decode = [slots[i] for i in range(n) if lens[i] == 1]  # decode entries: updated in place by both
+        assert rel(cache.state[decode], ref_cache.state[decode]) < 1e-5
+        assert torch.equal(cache.conv[decode], ref_cache.conv[decode])
+        keep = {i: 1 + i % lens[i] for i in range(n) if lens[i] > 1}  # some keep all their tokens, some one
         keep_states(batch, keep)
         keep_states(ref_batch, keep)
         assert rel(cache.state, ref_cache.state) < 1e-5 and torch.equal(cache.conv, ref_cache.conv)

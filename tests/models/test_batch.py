@@ -58,3 +58,29 @@ def test_tensors_follow_the_device_asked_for():
     tensors = [batch.cu_seqlens, batch.positions, batch.state_slots, batch.block_tables, batch.kv_indices,
                batch.logits_indices] + [t for g in batch.groups for t in (g.cu_seqlens, g.slots)]
     assert all(t.device.type == "meta" for t in tensors)
+
+
+@pytest.mark.parametrize("rows", [[2], [0, 3, 4], [1, 2, 3, 5]])
+def test_decode_at_equals_a_built_decode_step_at_those_rows(rows):
+    """A drafter's one-token-per-row step at positions the target just computed (verify, decode and
+    prefill entries) is the step `Batch.build` makes of them, sliced from the target's step."""
+    tables = [[3, 1], [0], [2, 5, 4]]
+    for modes in (["verify", "decode", "verify"], ["prefill", "decode", "prefill"]):
+        step = Batch.build([3, 1, 2], [5, 0, 9], [2, 0, 1], tables, 4, modes=modes)
+        entry = [0, 0, 0, 1, 2, 2]
+        pos = [5, 6, 7, 0, 9, 10]
+        want = Batch.build([1] * len(rows), [pos[r] for r in rows], [[2, 0, 1][entry[r]] for r in rows],
+                           [tables[entry[r]] for r in rows], 4)
+        got = step.decode_at(rows)
+        assert (got.query_lens, got.context_lens, got.kv_lens, got.token_offsets, got.modes) == \
+            (want.query_lens, want.context_lens, want.kv_lens, want.token_offsets, want.modes)
+        for name in ("cu_seqlens", "positions", "state_slots", "kv_indices", "logits_indices"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        width = want.block_tables.shape[1]  # the step's tables may be wider, padded with -1
+        assert torch.equal(got.block_tables[:, :width], want.block_tables)
+        assert (got.block_tables[:, width:] == -1).all() and got.decode_only and got.verify_group is None
+        (g,), (w,) = got.groups, want.groups
+        assert (g.mode, g.entries, g.num_tokens) == (w.mode, w.entries, w.num_tokens)
+        assert torch.equal(g.slots, w.slots) and torch.equal(g.cu_seqlens, w.cu_seqlens)
+        assert (g.fresh_slots is None) == (w.fresh_slots is None)
+        assert g.fresh_slots is None or torch.equal(g.fresh_slots, w.fresh_slots)

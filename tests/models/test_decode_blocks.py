@@ -2,17 +2,21 @@
 the per-op path's logits bit for bit: Qwen3.5 (Gated DeltaNet, gated attention with q/k norms and
 partial rotary) and Llama (plain attention), fp32, bf16 and int8 weights, one sequence and a batch in
 scattered slots; blocks they cannot serve (MoE) run op by op in the same step; a plan whose
-weights were replaced since is built again."""
+weights were replaced since is built again. Speculative decoding's verify steps (decode and verify
+entries, one query per token row) run compiled too: the same logits, pools and rollback states."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from kvstate.layers.recurrence import keep_states
 from kvstate.models import decode_blocks
+from kvstate.models.batch import Batch
+from kvstate.models.generate import contiguous_caches
 from kvstate.models.build import fuse_projections, set_weight_dtype
 from kvstate.models.loader import load_model
 from tests.kernels.conftest import extension
-from tests.models.checks import redraw_weights
+from tests.models.checks import random_ids, redraw_weights
 from tests.models.test_decode_kernels import _decode_logits
 from tests.models.test_qwen3_5 import TEXT, VOCAB, tiny_moe
 
@@ -93,3 +97,40 @@ def test_a_block_with_forward_hooks_runs_op_by_op(checkpoints):
     assert plans[1] is None and all(p is not None for i, p in enumerate(plans) if i != 1)
     ref, got = _both(model, 2)
     assert torch.equal(got, ref)
+
+
+@torch.inference_mode()
+def _verify_step(model, n: int):
+    """Prefill n prompts, one step of verify entries (3 tokens; entry 1 a plain decode), keep 2 tokens
+    of each verify entry, one decode step -> (both steps' logits, every pool after them)."""
+    plen, max_len, slots = 9, 16, [5, 0, 3][:n]
+    caches = contiguous_caches(model, max(slots) + 1, max_len)
+    tables = [[s] for s in slots]
+    prompts = [random_ids(VOCAB, plen, 30 + i) for i in range(n)]
+    model(torch.tensor([t for p in prompts for t in p]), Batch.build([plen] * n, [0] * n, slots, tables, max_len),
+          caches)
+    modes = ["decode" if i == 1 else "verify" for i in range(n)]
+    tails = [random_ids(VOCAB, 1 if m == "decode" else 3, 40 + i) for i, m in enumerate(modes)]
+    batch = Batch.build([len(t) for t in tails], [plen] * n, slots, tables, max_len, modes=modes)
+    logits = model(torch.tensor([t for tail in tails for t in tail]), batch, caches)
+    keep_states(batch, {i: 2 for i, m in enumerate(modes) if m == "verify"})
+    kept = [plen + (1 if m == "decode" else 2) for m in modes]
+    after = model(torch.tensor([7] * n), Batch.build([1] * n, kept, slots, tables, max_len), caches)
+    pools = [t.clone() for c in caches for t in (c.k, c.v, c.state, c.conv) if t is not None]
+    return logits, after, pools
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_verify_steps_run_compiled_and_equal_per_op_bitwise(checkpoints, weights, n, monkeypatch):
+    extension()
+    model, _ = load_model(checkpoints["qwen3_5"], weight_dtype=weights)
+    with decode_blocks.per_op():
+        ref = _verify_step(model, n)
+    ran = []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
+    got = _verify_step(model, n)
+    assert len(ran) == 2 * len(model.layers)  # the verify step and the decode after it, every block
+    for a, b in zip((got[0], got[1], *got[2]), (ref[0], ref[1], *ref[2])):
+        assert torch.equal(a, b)

@@ -19,10 +19,15 @@ Greedy drafts are one-hot, which the rejection sampler assumes.
 
 from __future__ import annotations
 
+import contextlib
+from itertools import accumulate
+
 import torch
 
 from kvstate.engine.sequence import SequenceStatus
+from kvstate.kernels.threads import small_ops_serial
 from kvstate.models.batch import Batch
+from kvstate.profiling import timed
 
 
 SHORT = 16  # entries of at most this many tokens run through the per-token attention kernel
@@ -39,10 +44,11 @@ class MtpDrafter:
     def release(self, seq) -> None:
         self.ready.pop(seq, None)
 
+    @timed("drafter")
     @torch.inference_mode()
     def observe(self, step) -> None:
         """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
-        hidden, offsets = self.runner.hidden, self.runner.hidden_offsets
+        hidden, offsets = self.runner.hidden, self.runner.hidden_batch.token_offsets
         rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
         for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
             end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
@@ -58,16 +64,26 @@ class MtpDrafter:
         if not live:
             return
         device = self.model.device
-        h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
-        logits, y = self._forward(ids, h, lens, starts, slots, tables)
-        last = torch.tensor([sum(lens[: j + 1]) - 1 for j in range(len(lens))], device=device)
-        ys = y.index_select(0, last)
+        if len(rows) == 1:
+            h = hidden[rows[0] : rows[0] + 1]
+        else:
+            h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
+        if max(lens) <= SHORT:  # decode and verify steps: each position one query row, sliced from the step
+            logits, y = self._run(ids, h, self.runner.hidden_batch.decode_at(rows))  # logits of every row
+        else:
+            logits, y = self._forward(ids, h, lens, starts, slots, tables)
+        ys = y
+        if len(rows) != len(lens):  # each entry's last row
+            last = torch.tensor(list(accumulate(lens)), device=device) - 1
+            ys = y.index_select(0, last)
+            logits = logits if logits.shape[0] == len(lens) else logits.index_select(0, last)
         for j, ((seq, at_end), t) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
             if at_end:
                 self.ready[seq] = (seq.num_tokens, t, ys[j])
             else:
                 self.ready.pop(seq, None)
 
+    @timed("drafter")
     @torch.inference_mode()
     def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
         """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
@@ -104,5 +120,12 @@ class MtpDrafter:
                             device=device)
         if "verify" in modes:  # one logits row per entry, its last token's (a verify entry would give all)
             batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
-        ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
+        return self._run(ids, hidden, batch)
+
+    def _run(self, ids: list[int], hidden: torch.Tensor, batch):
+        """The head's forward over `batch`: (logits [N, V], y [T, H])."""
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        # the runner's thread policy of a decode step: small ops on one thread, weight streaming on all
+        serial = batch.decode_only and self.runner.serial_small_ops
+        with small_ops_serial() if serial else contextlib.nullcontext():
+            return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)

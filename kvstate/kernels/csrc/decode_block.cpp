@@ -94,6 +94,26 @@ struct GdnBlock {
     }
     return mlp.run(sum, gemv(o, w_out, wide), wide);
   }
+
+  // A verify step (entries of several tokens, packed by cu_seqlens): -> (x + delta, the block's output
+  // delta, the state [T, HV, K, V] and conv window [T, D, S] after every token, for the rollback)
+  std::tuple<Tensor, Tensor, Tensor, Tensor> verify(const Tensor& x, const OptT& delta, Tensor conv_pool,
+                                                    Tensor state_pool, const Tensor& slots, const Tensor& cu_seqlens,
+                                                    int64_t wide, bool state_wide) const {
+    auto [sum, h] = add_norm(x, delta, norm);
+    const Tensor p = gemv(h, w_in, wide);
+    const int64_t n_a = p.size(1) - n_qkv - n_z - n_b;
+    Tensor o, states, windows;
+    {
+      Threads t(state_wide ? wide : 0);
+      std::tie(o, states, windows) = kvstate::op::gdn_verify(
+          p.narrow(1, 0, n_qkv), p.narrow(1, n_qkv, n_z), p.narrow(1, n_qkv + n_z + n_b, n_a),
+          p.narrow(1, n_qkv + n_z, n_b), conv_pool, conv_w, state_pool, slots, cu_seqlens, A_log, dt_bias, norm_w,
+          norm_eps, scale, num_k_heads);
+    }
+    auto [s2, out] = mlp.run(sum, gemv(o, w_out, wide), wide);
+    return {s2, out, states, windows};
+  }
 };
 
 struct AttnBlock {
@@ -152,7 +172,9 @@ void register_decode_blocks(pybind11::module_& m) {
                              gnorm_eps, scale, num_k_heads, w_out, {{ffn_norm_w, ffn_eps, ffn_offset}, w_gu, w_down}};
            }))
       .def("run", &GdnBlock::run, py::arg("x"), py::arg("delta"), py::arg("conv_pool"), py::arg("state_pool"),
-           py::arg("slots"), py::arg("wide"), py::arg("state_wide"));
+           py::arg("slots"), py::arg("wide"), py::arg("state_wide"))
+      .def("verify", &GdnBlock::verify, py::arg("x"), py::arg("delta"), py::arg("conv_pool"), py::arg("state_pool"),
+           py::arg("slots"), py::arg("cu_seqlens"), py::arg("wide"), py::arg("state_wide"));
   py::class_<AttnBlock>(m, "AttnBlock", "a (gated) attention + gated MLP block of a decode step, one call")
       .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Weight w_qkv, int64_t H, int64_t Hkv,
                        int64_t D, int64_t Dv, bool gated, OptT q_norm, OptT k_norm, double qk_eps, double qk_offset,

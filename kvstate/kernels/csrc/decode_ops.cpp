@@ -276,11 +276,12 @@ Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Ten
 }
 
 // Speculative decoding's verify step for Gated DeltaNet: entries of several tokens each (the last
-// known token and the drafts, packed by cu_seqlens [n + 1]), each token the decode math above on
-// its own row of the output, read from the previous token's row (or the pool), so that the state
-// (and conv window) after every token is kept:
-// states [T, HV, K, V] and windows [T, D, S] are returned for the rollback, and the pools end at
-// each entry's last token.
+// known token and the drafts, packed by cu_seqlens [n + 1]), each token the decode math above.
+// An entry's first token (always kept) updates the pools in place, as a decode does; every later
+// token reads the previous token's state (and conv window) and writes its own row of
+// states [T, HV, K, V] and windows [T, D, S], returned for the rollback (the rows of first tokens
+// are left unwritten). So the pools end at each entry's first token: keeping only it (every draft
+// rejected) costs no copy, keeping j > 1 tokens copies row j - 1 (`recurrence.keep_states`).
 std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
                                               Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
                                               const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
@@ -293,7 +294,7 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(cu[0] == 0 && cu[n] == T, "kvstate verify: cu_seqlens must run from 0 to ", T);
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(cu[i + 1] > cu[i], "kvstate verify: every entry needs a token");
-  const int64_t state_len = HV * K * V, window_len = D * S;
+  const int64_t window_len = D * S;
   auto states = at::empty({T, HV, K, V}, qkv.options()), windows = at::empty({T, D, S}, qkv.options());
   auto y = at::empty({T, D}, qkv.options()), gb = at::empty({2, T, HV}, qkv.options());
   auto o = at::empty({T, HV * V}, qkv.options());
@@ -305,10 +306,14 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
   pybind11::gil_scoped_release no_gil;
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
-      const float* prev = t == cu[i] ? cp + sl[i] * window_len : wn + (t - 1) * window_len;
-      std::copy(prev, prev + window_len, wn + t * window_len);
+      float* window = cp + sl[i] * window_len;  // the first token shifts the pool's window in place
+      if (t > cu[i]) {
+        const float* prev = t == cu[i] + 1 ? window : wn + (t - 1) * window_len;
+        window = wn + t * window_len;
+        std::copy(prev, prev + window_len, window);
+      }
       float* yt = yp + t * D;
-      kvstate::dec::conv_row(qkv.data_ptr<float>() + t * qkv.stride(0), wn + t * window_len, conv_w.data_ptr<float>(),
+      kvstate::dec::conv_row(qkv.data_ptr<float>() + t * qkv.stride(0), window, conv_w.data_ptr<float>(),
                              nullptr, D, W, S, true, yt);
       for (int64_t r = 0; r < 2 * H; ++r) kvstate::dec::l2norm_scale(yt + r * K, K, r < H ? scale : 1.f);
       kvstate::dec::gdn_gates_row(a.data_ptr<float>() + t * a.stride(0), b.data_ptr<float>() + t * b.stride(0),
@@ -317,17 +322,20 @@ std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z
     }
   }
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {  // token t reads the state after t - 1 (or the pool's), writes row t
-      const bool first = t == cu[i];
+    for (int64_t t = cu[i]; t < cu[i + 1]; ++t) {
+      // the first token updates the pool's state in place; token t > first reads the state after t - 1
+      // (the pool's after the first), writes row t
+      const bool first = t == cu[i], second = t == cu[i] + 1;
       HeadArgs args{yp + t * D, yp + t * D + 2 * H * K, gp + t * HV, gp + (T + t) * HV,
                     z.data_ptr<float>() + t * z.stride(0), norm_w.data_ptr<float>(), D, D, z.stride(0), H, HV, K, V,
-                    static_cast<float>(norm_eps), st, rows.data() + t, o.data_ptr<float>() + t * HV * V,
-                    first ? sp : st, first ? sl + i : rows.data() + t - 1};
+                    static_cast<float>(norm_eps), first ? sp : st, first ? sl + i : rows.data() + t,
+                    o.data_ptr<float>() + t * HV * V};
+      if (!first) {
+        args.src = second ? sp : st;
+        args.src_slots = second ? sl + i : rows.data() + t - 1;
+      }
       heads(args, 1);
     }
-    const int64_t last = cu[i + 1] - 1;
-    std::copy(st + last * state_len, st + (last + 1) * state_len, sp + sl[i] * state_len);
-    std::copy(wn + last * window_len, wn + (last + 1) * window_len, cp + sl[i] * window_len);
   }
   return {o, states, windows};
 }
@@ -345,6 +353,14 @@ Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Ten
                   const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
                   const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H) {
   return ::gdn_decode(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w, norm_eps, scale, H);
+}
+std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
+                                              Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
+                                              const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
+                                              const Tensor& dt_bias, const Tensor& norm_w, double norm_eps,
+                                              double scale, int64_t H) {
+  return ::gdn_verify(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, cu_seqlens, A_log, dt_bias, norm_w,
+                      norm_eps, scale, H);
 }
 }  // namespace kvstate::op
 

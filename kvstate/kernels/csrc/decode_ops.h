@@ -69,6 +69,11 @@ Tensor silu_mul(const Tensor& gate, const Tensor& up);
 Tensor gdn_decode(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b, Tensor conv_pool,
                   const Tensor& conv_w, Tensor state_pool, const Tensor& slots, const Tensor& A_log,
                   const Tensor& dt_bias, const Tensor& norm_w, double norm_eps, double scale, int64_t H);
+std::tuple<Tensor, Tensor, Tensor> gdn_verify(const Tensor& qkv, const Tensor& z, const Tensor& a, const Tensor& b,
+                                              Tensor conv_pool, const Tensor& conv_w, Tensor state_pool,
+                                              const Tensor& slots, const Tensor& cu_seqlens, const Tensor& A_log,
+                                              const Tensor& dt_bias, const Tensor& norm_w, double norm_eps,
+                                              double scale, int64_t H);
 Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& gate,
                         const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
                         double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
