@@ -73,6 +73,23 @@ def test_every_head_grouping_and_block_size(h, hkv, d, block, monkeypatch):
         check_against_torch(m, torch.randn(n, 36, generator=g), batch, cache, calls)
 
 
+def test_long_contexts_fetch_values_in_the_value_pass(monkeypatch):
+    """Past 256 KiB of a head's values (here 1,100 and 1,500 keys of 64 channels) the kernel fetches
+    the values a block ahead in the value pass rather than during the key pass; short and long
+    entries in one batch."""
+    ext = extension()
+    m = layer(True, 5, 8, 2, 64)
+    g = torch.Generator().manual_seed(5)
+    calls = []
+    monkeypatch.setattr(_ext, "_loaded", {"module": Spy(ext, calls), "reason": None})
+    block, ctx = 16, [1500, 7, 1100]
+    free = torch.randperm(200, generator=g).tolist()
+    tables = [[free.pop() for _ in range(c // block + 1)] for c in ctx]
+    batch = Batch.build([1] * len(ctx), ctx, list(range(len(ctx))), tables, block)
+    cache = SimpleNamespace(k=torch.randn(200, block, 2, 64, generator=g), v=torch.randn(200, block, 2, 64, generator=g))
+    check_against_torch(m, torch.randn(len(ctx), 36, generator=g), batch, cache, calls)
+
+
 def check_against_torch(m, x, batch, cache, calls: list) -> None:
     """The layer with the kernel (run once, seen by the spy's `calls`) and forced to torch on a copy
     of the cache: the same output and the same KV pool."""

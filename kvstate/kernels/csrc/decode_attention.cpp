@@ -63,7 +63,10 @@ void norm_rotate(const AttnArgs& a, const float* x, const float* w, int64_t p, f
 // accumulators in registers (`values_block`), not a per-row loop of loads and stores of o, which was
 // much slower (docs/benchmarks.md).
 // The block table defeats the hardware prefetchers: each key also fetches the key kAhead rows
-// on, and its own value row (read after the softmax).
+// on, and its own value row (read after the softmax) while a head's values fit in half an L2;
+// past that the value pass fetches the next block's rows itself.
+constexpr int64_t kEarlyValueBytes = 256 << 10;  // half of a Zen 3 / Sapphire Rapids core's L2, or less
+
 void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L, float* scores, float* o) {
   const int64_t G = a.H / a.Hkv, D = a.D, Dv = a.Dv, BS = a.BS, stride = a.Hkv * D, vstride = a.Hkv * Dv;
   const int64_t* table = a.tables + i * a.max_blocks;
@@ -73,6 +76,8 @@ void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L,
   const auto fetch = [](const float* p, int64_t n) {
     for (int64_t c = 0; c < n; c += 16) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
   };
+  // values fetched in the key pass would be evicted before the value pass reads them again
+  const bool values_early = L * Dv * int64_t(sizeof(float)) <= kEarlyValueBytes;
   for (int64_t t = 0; t < std::min(kAhead, L); ++t) fetch(key(t), D);
   for (int64_t t0 = 0; t0 < L; t0 += BS) {
     const int64_t nt = std::min(BS, L - t0), row0 = table[t0 / BS] * BS;
@@ -80,7 +85,7 @@ void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L,
     const float* v = a.vc + row0 * vstride + h * Dv;
     for (int64_t s = 0; s < nt; ++s) {
       if (t0 + s + kAhead < L) fetch(key(t0 + s + kAhead), D);
-      fetch(v + s * vstride, Dv);
+      if (values_early) fetch(v + s * vstride, Dv);
     }
     int64_t s = 0;
     float* r = raw.data() + t0 * G;
@@ -115,7 +120,11 @@ void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L,
     std::fill(o + g * Dv, o + (g + 1) * Dv, 0.f);
   }
   for (int64_t t0 = 0; t0 < L; t0 += BS) {
-    const int64_t nt = std::min(BS, L - t0);
+    const int64_t nt = std::min(BS, L - t0), t1 = t0 + BS;
+    if (!values_early && t1 < L) {
+      const float* vn = a.vc + table[t1 / BS] * BS * vstride + h * Dv;
+      for (int64_t s = 0; s < std::min(BS, L - t1); ++s) fetch(vn + s * vstride, Dv);
+    }
     values_block_any(G, a.vc + table[t0 / BS] * BS * vstride + h * Dv, vstride, nt, scores + t0, L, o, Dv);
   }
 }
