@@ -86,7 +86,8 @@ def test_long_contexts_fetch_values_in_the_value_pass(monkeypatch):
     free = torch.randperm(200, generator=g).tolist()
     tables = [[free.pop() for _ in range(c // block + 1)] for c in ctx]
     batch = Batch.build([1] * len(ctx), ctx, list(range(len(ctx))), tables, block)
-    cache = SimpleNamespace(k=torch.randn(200, block, 2, 64, generator=g), v=torch.randn(200, block, 2, 64, generator=g))
+    shape = (200, block, 2, 64)
+    cache = SimpleNamespace(k=torch.randn(shape, generator=g), v=torch.randn(shape, generator=g))
     check_against_torch(m, torch.randn(len(ctx), 36, generator=g), batch, cache, calls)
 
 
