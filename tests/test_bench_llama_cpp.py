@@ -282,6 +282,26 @@ def test_bench_engine_depth_rows_beside_llama_bench_at_the_same_depths(capsys, t
     assert "KV pools float32" in text
 
 
+def test_bench_engine_depth_rounds_alternate_with_llama_bench(capsys, tmp_path):
+    """--rounds 2 with --depth: both sides measured twice, in turn; each depth ratio per round and its
+    median, in the JSON and on one line each for humans."""
+    binary, gguf = fake_llama_bench(tmp_path)
+    argv = ["bench", "engine", "--quick", "--no-reference", "--batches", "1", "--prompt-len", "6", "--new-tokens",
+            "3", "--prefill-len", "8", "--threads", "1", "--depth", "8", "--llama-bench", binary, "--gguf", gguf,
+            "--llama-gen", "5", "--llama-prompt", "0", "--rounds", "2"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = ["decode b=1 @ d8 vs model-bf16.gguf tg5 @ d8", "prefill @ d8 vs model-bf16.gguf pp8 @ d8"]
+    assert sorted(out["depth_rounds"]) == labels
+    for label in labels:
+        each = out["depth_rounds"][label]
+        assert len(each["ratios"]) == 2 and each["ratios"][0] == out["vs_llama_cpp_depth"][label]
+        assert each["median"] == pytest.approx(sum(each["ratios"]) / 2) and all(r > 0 for r in each["ratios"])
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "decode b=1 @ d8 vs model-bf16.gguf tg5 @ d8, 2 alternating rounds: median" in text
+
+
 @pytest.mark.parametrize("depth, message", [("12", "--depth 12: a multiple of --prefill-len (8)"),
                                             ("0", "--depth: each at least 1"), ("x", "--depth: expected")])
 def test_bench_engine_bad_depths_are_one_line(capsys, depth, message):

@@ -8,7 +8,9 @@ step (so every chunk's cost is one step's, and llama.cpp's batch is the same siz
   (N must be a multiple of P for that: the chunks are P, P, ..., P);
 - the prompt's prefill from zero (N tokens) comes with the decode run.
 llama.cpp's side: `llama-bench -p P -n GEN -d N,... -r 1` (it re-runs the depth's prompt before every
-test, so one repetition keeps it to minutes).
+test, so one repetition keeps it to minutes). With `--rounds R` the two sides take turns R times
+(new prompts each round) and each ratio is also given as the median of its R rounds; the table shows
+the first round.
 """
 
 from __future__ import annotations
@@ -67,19 +69,34 @@ def measure(llm, depths: list[int], *, prefill_len: int, new: int, generator, st
 
 
 def engine_part(args, console, llm, depths, prefill_len, new) -> dict:
-    """--depth's part of the result: our rows, llama-bench's at the same depths, and their ratios."""
+    """--depth's part of the result: our rows, llama-bench's at the same depths, and their ratios (the
+    first round's), and with --rounds R > 1 and --llama-bench each ratio over R alternating rounds."""
+    import statistics
+
     import torch
 
     if not depths:
-        return dict(depth=[], llama_cpp_depth=[], vs_llama_cpp_depth={})
-    rows = measure(llm, depths, prefill_len=prefill_len, new=new, generator=torch.Generator().manual_seed(2),
-                   status=console.status)
-    theirs, ratios = [], {}
-    if args.llama_bench:
-        with console.status(f"llama.cpp: llama-bench -d {','.join(map(str, depths))}"):
-            theirs, ratios = llama_depths(args.llama_bench, args.gguf, rows, threads=torch.get_num_threads(),
-                                          prompt=prefill_len, gen=args.llama_gen)
-    return dict(depth=rows, llama_cpp_depth=theirs, vs_llama_cpp_depth=ratios)
+        return dict(depth=[], llama_cpp_depth=[], vs_llama_cpp_depth={}, depth_rounds={})
+    generator = torch.Generator().manual_seed(2)
+    n_rounds = args.rounds if args.llama_bench else 1
+    rounds = []  # (our rows, llama-bench's rows, ratios) per round
+    for i in range(n_rounds):
+        tag = f" (round {i + 1} of {n_rounds})" if n_rounds > 1 else ""
+        rows = measure(llm, depths, prefill_len=prefill_len, new=new, generator=generator,
+                       status=lambda text: console.status(text + tag))
+        theirs, ratios = [], {}
+        if args.llama_bench:
+            with console.status(f"llama.cpp: llama-bench -d {','.join(map(str, depths))}{tag}"):
+                theirs, ratios = llama_depths(args.llama_bench, args.gguf, rows, threads=torch.get_num_threads(),
+                                              prompt=prefill_len, gen=args.llama_gen)
+        rounds.append((rows, theirs, ratios))
+    rows, theirs, ratios = rounds[0]
+    by_round = {}
+    if n_rounds > 1:
+        for label in ratios:
+            values = [r[label] for _, _, r in rounds if label in r]
+            by_round[label] = dict(ratios=values, median=statistics.median(values))
+    return dict(depth=rows, llama_cpp_depth=theirs, vs_llama_cpp_depth=ratios, depth_rounds=by_round)
 
 
 def show(console, result: dict) -> None:
@@ -100,8 +117,14 @@ def show(console, result: dict) -> None:
                       f"{r['tokens_per_s']:.1f}" if decode else "-", "-" if decode else r["test"][2:].split()[0],
                       "-" if decode else f"{r['tokens_per_s']:.1f}", "-")
     console.print(table)
+    rounds = result.get("depth_rounds") or {}
     for k, v in result.get("vs_llama_cpp_depth", {}).items():
-        console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}: {v:.2f}x")
+        if k in rounds:
+            each = ", ".join(f"{x:.2f}" for x in rounds[k]["ratios"])
+            console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}, {len(rounds[k]['ratios'])} "
+                          f"alternating rounds: median {rounds[k]['median']:.2f}x ({each})")
+        else:
+            console.print(f"kvstate ({result['weight_dtype']}) / llama.cpp, {k}: {v:.2f}x")
 
 
 def llama_depths(binary: str, ggufs: list[str], rows: list[dict], *, threads: int, prompt: int,

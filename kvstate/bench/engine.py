@@ -16,9 +16,9 @@ the blocks compiled (as decode runs) and op by op (which splits their time into 
 llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
 prefill and decode beside ours, with ratios (`--llama-prompt 0`: its decode only). `--rounds N`
 alternates N decode runs at the smallest and the largest batch (and N batch-1 runs of kvstate and
-llama.cpp) and prints the median ratios: one-shot ratios on a noisy machine wander by 5%. With
-`--weight-dtype int8` it also measures the logits' error against the same checkpoint in fp32
-(`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
+llama.cpp, and N `--depth` rounds of each) and prints the median ratios: one-shot ratios on a
+noisy machine wander by 5%. With `--weight-dtype int8` it also measures the logits' error against
+the same checkpoint in fp32 (`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="llama-bench's prefill tokens, -p (default: --prefill-len; 0: decode only)")
     parser.add_argument("--rounds", type=count_arg, default=1,
                         help="also alternate N decode runs at the smallest and the largest --batches (and, "
-                             "with --llama-bench, N batch-1 runs of kvstate and llama.cpp) and print the "
-                             "median ratios (a noisy machine's minutes differ)")
+                             "with --llama-bench, N batch-1 runs of kvstate and llama.cpp, and N rounds of "
+                             "--depth on each side) and print the median ratios (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
 
 
