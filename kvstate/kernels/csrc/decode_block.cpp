@@ -82,17 +82,11 @@ struct GdnBlock {
   // -> (x + delta, the block's output delta); the pools updated in place at `slots`
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor conv_pool, Tensor state_pool,
                                  const Tensor& slots, int64_t wide, bool state_wide) const {
-    auto [sum, h] = add_norm(x, delta, norm);
-    const Tensor p = gemv(h, w_in, wide);
-    const int64_t n_a = p.size(1) - n_qkv - n_z - n_b;
-    Tensor o;
-    {
-      Threads t(state_wide ? wide : 0);
-      o = kvstate::op::gdn_decode(p.narrow(1, 0, n_qkv), p.narrow(1, n_qkv, n_z), p.narrow(1, n_qkv + n_z + n_b, n_a),
-                                  p.narrow(1, n_qkv + n_z, n_b), conv_pool, conv_w, state_pool, slots, A_log, dt_bias,
-                                  norm_w, norm_eps, scale, num_k_heads);
-    }
-    return mlp.run(sum, gemv(o, w_out, wide), wide);
+    return around(x, delta, wide, state_wide, [&](const Tensor& qkv, const Tensor& z, const Tensor& a,
+                                                  const Tensor& b) {
+      return kvstate::op::gdn_decode(qkv, z, a, b, conv_pool, conv_w, state_pool, slots, A_log, dt_bias, norm_w,
+                                     norm_eps, scale, num_k_heads);
+    });
   }
 
   // A verify step (entries of several tokens, packed by cu_seqlens): -> (x + delta, the block's output
@@ -100,19 +94,34 @@ struct GdnBlock {
   std::tuple<Tensor, Tensor, Tensor, Tensor> verify(const Tensor& x, const OptT& delta, Tensor conv_pool,
                                                     Tensor state_pool, const Tensor& slots, const Tensor& cu_seqlens,
                                                     int64_t wide, bool state_wide) const {
+    Tensor states, windows;
+    auto [sum, out] = around(x, delta, wide, state_wide, [&](const Tensor& qkv, const Tensor& z, const Tensor& a,
+                                                             const Tensor& b) {
+      Tensor o;
+      std::tie(o, states, windows) = kvstate::op::gdn_verify(qkv, z, a, b, conv_pool, conv_w, state_pool, slots,
+                                                             cu_seqlens, A_log, dt_bias, norm_w, norm_eps, scale,
+                                                             num_k_heads);
+      return o;
+    });
+    return {sum, out, states, windows};
+  }
+
+ private:
+  // The block around its mixer: norm, the fused in_proj split into qkv, z, a, b, then
+  // `mixer(qkv, z, a, b) -> o` (on `wide` threads when the state it streams is big), out_proj and the MLP.
+  template <typename Mixer>
+  std::tuple<Tensor, Tensor> around(const Tensor& x, const OptT& delta, int64_t wide, bool state_wide,
+                                    const Mixer& mixer) const {
     auto [sum, h] = add_norm(x, delta, norm);
     const Tensor p = gemv(h, w_in, wide);
     const int64_t n_a = p.size(1) - n_qkv - n_z - n_b;
-    Tensor o, states, windows;
+    Tensor o;
     {
       Threads t(state_wide ? wide : 0);
-      std::tie(o, states, windows) = kvstate::op::gdn_verify(
-          p.narrow(1, 0, n_qkv), p.narrow(1, n_qkv, n_z), p.narrow(1, n_qkv + n_z + n_b, n_a),
-          p.narrow(1, n_qkv + n_z, n_b), conv_pool, conv_w, state_pool, slots, cu_seqlens, A_log, dt_bias, norm_w,
-          norm_eps, scale, num_k_heads);
+      o = mixer(p.narrow(1, 0, n_qkv), p.narrow(1, n_qkv, n_z), p.narrow(1, n_qkv + n_z + n_b, n_a),
+                p.narrow(1, n_qkv + n_z, n_b));
     }
-    auto [s2, out] = mlp.run(sum, gemv(o, w_out, wide), wide);
-    return {s2, out, states, windows};
+    return mlp.run(sum, gemv(o, w_out, wide), wide);
   }
 };
 
