@@ -27,6 +27,7 @@ from kvstate.models.batch import Batch
 from kvstate.models.loader import load_model
 from kvstate.models.saver import save_checkpoint
 from kvstate.recall.chat_data import copy_chat, encode_chat, phonebook_chat
+from kvstate.recall.mtp_unroll import unrolled_logits
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class MtpSettings:
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
     copy_share: float = 0.3
-    copy_words: tuple[int, int] = (8, 40)
+    copy_words: tuple[int, int] = (8, 64)
+    depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
+    depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
 
 
 def with_mtp_config(src: Path, dst: Path) -> Path:
@@ -113,6 +116,36 @@ def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
     return loss, acc
 
 
+def unrolled_loss(model, tokenizer, chats, depth: int, weights) -> tuple[torch.Tensor, list[float]]:
+    """(weighted cross-entropy of drafts 1 .. depth at reply tokens, share right per draft): draft d at
+    row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll)."""
+    encoded = [encode_chat(tokenizer, c) for c in chats]
+    ids = [e[0] for e in encoded]
+    batch, max_len = _packed(model, ids)
+    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=False)
+    caches = allocate_pools(spec, num_blocks=len(ids), block_size=max_len, num_slots=len(ids))
+    flat = torch.tensor([t for s in ids for t in s], dtype=torch.int64)
+    with torch.no_grad():
+        _, hidden = model(flat, batch, caches, hidden=True)  # [T, H]
+    b = len(ids)
+    padded = torch.zeros(b, max_len, hidden.shape[-1])
+    tokens = torch.zeros(b, max_len, dtype=torch.int64)
+    trained = torch.zeros(b, max_len, dtype=torch.bool)
+    offset = 0
+    for i, (s, tr) in enumerate(encoded):
+        padded[i, : len(s)] = hidden[offset : offset + len(s)]
+        tokens[i, : len(s)] = torch.tensor(s)
+        trained[i, : len(s)] = torch.tensor(tr)
+        offset += len(s)
+    loss, accs = torch.zeros(()), []
+    for d, logits in enumerate(unrolled_logits(model, padded, tokens, depth), start=1):
+        target = F.pad(tokens[:, d + 1 :], (0, d + 1))  # [B, T]: t_{p+d+1}
+        keep = F.pad(trained[:, d + 1 :], (0, d + 1))
+        loss = loss + weights[d - 1] * F.cross_entropy(logits[keep], target[keep])
+        accs.append(float((logits[keep].argmax(-1) == target[keep]).float().mean()))
+    return loss, accs
+
+
 def train_mtp(checkpoint: Path, out: Path, settings: MtpSettings = MtpSettings(), *, seed: int = 0,
               log=None) -> dict:
     """Train the head of `checkpoint`'s model (frozen) and write the model with it to `out` (may be
@@ -141,7 +174,8 @@ def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps, eta_min=settings.lr / 10)
     acc = 0.0
     for step in range(settings.steps):
-        loss, acc = mtp_loss(model, tokenizer, _chats(rng, settings))
+        loss, accs = unrolled_loss(model, tokenizer, _chats(rng, settings), settings.depth, settings.depth_weights)
+        acc = accs[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
