@@ -4,7 +4,10 @@ The target stays frozen: its packed forward (no grad) gives h_p, the last hidden
 final norm, at every position; the head learns to predict the token at p + 2 from h_p and the
 token at p + 1 (docs/mtp.md), with the cross-entropy at every position whose token two ahead is
 part of an assistant reply (phone-book answers and copies), on the same chats the model was
-trained on. The head starts from the target's last full-attention block (same shapes), fc as
+trained on. It is trained on the drafts it chains too (`depth`, kvstate.recall.mtp_unroll): draft
+d at p reads the head's own output of draft d - 1 and the true token t_{p+d}, and predicts
+t_{p+d+1}; the drafts' cross-entropies are summed with `depth_weights`. `mtp_loss` is draft 1
+alone, through the engine's own head forward. The head starts from the target's last full-attention block (same shapes), fc as
 [0 | I] (it passes h through) and zero-centred norms, so step 0 is already a sensible guess.
 Seeded: a run is repeatable. The result is written into the checkpoint under the real names
 (`mtp.fc.weight`, `mtp.layers.0.*`, ...) with `mtp_num_hidden_layers: 1` in config.json.

@@ -115,7 +115,8 @@ def test_compiled_head_logits_are_the_lm_head_of_y(checkpoints):
     ids, h = torch.tensor([5, 17, 99]), torch.randn(3, 80)
     entry = decode_blocks.head_for_step(model.mtp, step, model.embed_tokens, model.lm_head)
     assert entry is not None
-    drafts, y, logits = decode_blocks.run_head(entry, ids, h, step, caches[-1])
+    drafts, y, logits = decode_blocks.run_head(entry, ids, h, caches[-1], step.positions, step.block_tables,
+                                               step.kv_indices, 3)
     with decode_blocks.per_op():
         ref, ref_y = model.mtp(ids, h, step, allocate_pools(spec, num_blocks=3, block_size=8, num_slots=3)[-1],
                                model.embed_tokens, model.lm_head)
