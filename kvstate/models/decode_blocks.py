@@ -123,6 +123,17 @@ def chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, start: tor
                        big)
 
 
+@timed("compiled blocks")
+def run_chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: torch.Tensor,
+                   tables: torch.Tensor, kv_indices: torch.Tensor, chain_tables: torch.Tensor, block_size: int,
+                   steps: int, kv_tokens: int) -> torch.Tensor:
+    """One entry's drafts [1, 1 + steps]: `run_head` over its rows, then `chain_head` from the last row
+    (in the blocks chain_tables [1, max_blocks]), in one call."""
+    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_tables, block_size,
+                           steps, serial_outer_threads() or 0, big)
+
+
 def _head(head, embed, lm_head, groups):
     ext = extension()
     if ext is None or _hooked(head) or type(embed) is not torch.nn.Embedding:

@@ -7,8 +7,9 @@ part of an assistant reply (phone-book answers and copies), on the same chats th
 trained on. It is trained on the drafts it chains too (`depth`, kvstate.recall.mtp_unroll): draft
 d at p reads the head's own output of draft d - 1 and the true token t_{p+d}, and predicts
 t_{p+d+1}; the drafts' cross-entropies are summed with `depth_weights`. `mtp_loss` is draft 1
-alone, through the engine's own head forward. The head starts from the target's last full-attention block (same shapes), fc as
-[0 | I] (it passes h through) and zero-centred norms, so step 0 is already a sensible guess.
+alone, through the engine's own head forward. The head starts from the target's last
+full-attention block (same shapes), fc as [0 | I] (it passes h through) and zero-centred norms,
+so step 0 is already a sensible guess.
 Seeded: a run is repeatable. The result is written into the checkpoint under the real names
 (`mtp.fc.weight`, `mtp.layers.0.*`, ...) with `mtp_num_hidden_layers: 1` in config.json.
 """
@@ -40,6 +41,7 @@ class MtpSettings:
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
     copy_share: float = 0.3
+    copy_weight: float = 0.7  # of a copy chat's tokens in the loss (a phone book's: 1): copies have ~6x the tokens
     copy_words: tuple[int, int] = (8, 64)
     depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
     depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
@@ -119,9 +121,11 @@ def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
     return loss, acc
 
 
-def unrolled_loss(model, tokenizer, chats, depth: int, weights) -> tuple[torch.Tensor, list[float]]:
+def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: float = 1.0
+                  ) -> tuple[torch.Tensor, list[float]]:
     """(weighted cross-entropy of drafts 1 .. depth at reply tokens, share right per draft): draft d at
-    row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll)."""
+    row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll); a copy
+    chat's tokens count `copy_weight`."""
     encoded = [encode_chat(tokenizer, c) for c in chats]
     ids = [e[0] for e in encoded]
     batch, max_len = _packed(model, ids)
@@ -140,11 +144,14 @@ def unrolled_loss(model, tokenizer, chats, depth: int, weights) -> tuple[torch.T
         tokens[i, : len(s)] = torch.tensor(s)
         trained[i, : len(s)] = torch.tensor(tr)
         offset += len(s)
+    per_chat = torch.tensor([copy_weight if c.kind == "copy" else 1.0 for c in chats])[:, None].expand(b, max_len)
     loss, accs = torch.zeros(()), []
     for d, logits in enumerate(unrolled_logits(model, padded, tokens, depth), start=1):
         target = F.pad(tokens[:, d + 1 :], (0, d + 1))  # [B, T]: t_{p+d+1}
         keep = F.pad(trained[:, d + 1 :], (0, d + 1))
-        loss = loss + weights[d - 1] * F.cross_entropy(logits[keep], target[keep])
+        w = per_chat[keep]
+        ce = F.cross_entropy(logits[keep], target[keep], reduction="none")
+        loss = loss + weights[d - 1] * (w * ce).sum() / w.sum()
         accs.append(float((logits[keep].argmax(-1) == target[keep]).float().mean()))
     return loss, accs
 
@@ -177,7 +184,8 @@ def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps, eta_min=settings.lr / 10)
     acc = 0.0
     for step in range(settings.steps):
-        loss, accs = unrolled_loss(model, tokenizer, _chats(rng, settings), settings.depth, settings.depth_weights)
+        loss, accs = unrolled_loss(model, tokenizer, _chats(rng, settings), settings.depth, settings.depth_weights,
+                                   settings.copy_weight)
         acc = accs[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -130,3 +130,46 @@ def test_without_the_kernels_the_head_runs_op_by_op(checkpoints, monkeypatch):
         assert decode_blocks.head_for_step(model.mtp, Batch.build([1], [0], [0], [[0]], 8), model.embed_tokens,
                                            model.lm_head) is None
         _head_steps(model, 2)
+
+
+@torch.inference_mode()
+def _rows_then_chain(model, compiled: bool, steps: int = 3):
+    """One sequence: the head over positions 0 .. 10 op by op, then over rows 11 .. 13 (a verify's
+    accepted ones) and `steps` chained drafts from the last -> (drafts, the head's K and V pools)."""
+    plen, max_len, slot = 16, 8, 1  # blocks of 8: the chain runs into a third block
+    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=True)
+    caches = allocate_pools(spec, num_blocks=5, block_size=max_len, num_slots=3)
+    table = [4, 0, 2]
+    prompt = torch.tensor(random_ids(model.plan.vocab_size, plen, 7))
+    _, hidden = model(prompt, Batch.build([plen], [0], [slot], [table], max_len, logits="all"), caches[:-1],
+                      hidden=True)
+    with decode_blocks.per_op():
+        model.mtp(prompt[1:12], hidden[:11], Batch.build([11], [0], [slot], [table], max_len), caches[-1],
+                  model.embed_tokens, model.lm_head)
+    rows = Batch.build([3], [11], [slot], [table], max_len, modes=["verify"])
+    ids, h = prompt[12:15], hidden[11:14]
+    if compiled:
+        entry = decode_blocks.compiled_head(model.mtp, model.embed_tokens, model.lm_head)
+        drafts = decode_blocks.run_chain_head(entry, ids, h, caches[-1], rows.positions, rows.token_tables,
+                                              rows.kv_indices, torch.tensor([table]), max_len, steps, 14)[0]
+        return drafts, caches[-1].k.clone(), caches[-1].v.clone()
+    with decode_blocks.per_op():
+        tokens, y = model.mtp.draft(ids, h, rows, caches[-1], model.embed_tokens, model.lm_head)
+        out = [tokens[-1:]]
+        for s in range(steps):
+            step = Batch.build([1], [14 + s], [slot], [table], max_len)
+            t, y = model.mtp.draft(out[-1], y[-1:], step, caches[-1], model.embed_tokens, model.lm_head)
+            out.append(t)
+    return torch.cat(out), caches[-1].k.clone(), caches[-1].v.clone()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_rows_then_chain_in_one_call_equals_per_op(checkpoints, weights):
+    """`run_chain_head` (batch 1 after a verify: the accepted rows, then the chain across a block
+    boundary) drafts and writes the KV the per-op head does."""
+    extension()
+    model, _ = load_model(checkpoints["awkward"], weight_dtype=weights)
+    ref, ref_k, ref_v = _rows_then_chain(model, False)
+    got, k, v = _rows_then_chain(model, True)
+    assert got.shape == (4,)
+    assert torch.equal(got, ref) and torch.equal(k, ref_k) and torch.equal(v, ref_v)

@@ -40,15 +40,21 @@ class MtpDrafter:
         self.runner, self.blocks = runner, blocks
         self.model = runner.model
         self.cache = runner.caches[-1]  # the head's KV pools: the cache spec's last layer
-        self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [H])
+        self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [1, H])
+        self.pending: tuple | None = None  # batch 1: observe's compiled head call, run by the propose after it
 
     def release(self, seq) -> None:
         self.ready.pop(seq, None)
+        if self.pending is not None and self.pending[0] is seq:
+            self.pending = None
 
     @timed("drafter")
     @torch.inference_mode()
     def observe(self, step) -> None:
         """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
+        if self.pending is not None:  # no propose ran since the last observe: its KV rows first
+            self._settle(self.pending, 0)
+            self.pending = None
         hidden, hb = self.runner.hidden, self.runner.hidden_batch
         offsets = hb.token_offsets
         rows, ids, lens, starts, slots, tables, live, entries = [], [], [], [], [], [], [], []
@@ -73,14 +79,14 @@ class MtpDrafter:
             h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
         view = len(lens) == 1 and lens[0] <= SHORT and (hb.token_tables is not None or lens[0] == 1)
         compiled = self._compiled() if view else None
-        if compiled is not None:  # batch 1 after a decode or verify step: its rows' views, one compiled call
+        if compiled is not None and live[0][1]:  # batch 1 after a decode or verify step: see `propose`
             r0, r1, n, c = rows[0], rows[-1] + 1, lens[0], starts[0]
             rt = hb.token_tables[r0:r1] if hb.token_tables is not None else hb.block_tables[entries[0] : entries[0] + 1]
-            with self._serial():
-                tokens, y, _ = decode_blocks.run_head(compiled, torch.tensor(ids, device=device), h, self.cache,
-                                                      hb.positions[r0:r1], rt, hb.kv_indices[r0:r1],
-                                                      n * c + n * (n + 1) // 2)
-        elif max(lens) <= SHORT:  # decode and verify steps: each position one query row, sliced from the step
+            self.ready.pop(live[0][0], None)
+            self.pending = (live[0][0], compiled, torch.tensor(ids, device=device), h, hb.positions[r0:r1], rt,
+                            hb.kv_indices[r0:r1], n * c + n * (n + 1) // 2)
+            return
+        if max(lens) <= SHORT:  # decode and verify steps: each position one query row, sliced from the step
             tokens, y = self._run(ids, h, hb.decode_at(rows))  # drafts of every row
         else:
             tokens, y = self._forward(ids, h, lens, starts, slots, tables)
@@ -103,8 +109,16 @@ class MtpDrafter:
     def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
         """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
         drafts: list[list[int]] = [[] for _ in requests]
+        pending, self.pending = self.pending, None
+        if pending is not None:  # observe's rows, then the whole chain, as one compiled call
+            j = next((j for j, (s, _) in enumerate(requests) if s is pending[0]), None)
+            got = self._settle(pending, 0 if j is None else requests[j][1])
+            if j is not None:
+                drafts[j] = got
         chain = []  # (j, seq, k, y) of requests that get more than one draft
         for j, (seq, k) in enumerate(requests):
+            if pending is not None and seq is pending[0]:
+                continue
             got = self.ready.get(seq)
             if got is None or got[0] != seq.num_tokens:
                 continue
@@ -152,6 +166,19 @@ class MtpDrafter:
         if "verify" in modes:  # one logits row per entry, its last token's (a verify entry would give all)
             batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
         return self._run(ids, hidden, batch)
+
+    def _settle(self, pending, k: int) -> list[int]:
+        """Run the head over the rows observe left `pending` (one sequence: its KV there, draft 1 from the
+        last row), then drafts 2..k chained on it where its blocks can grow: one compiled call."""
+        seq, compiled, ids, h, positions, tables, kv_indices, kv_tokens = pending
+        steps = 0
+        if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
+            self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
+            steps = k - 1
+        chain_tables = torch.tensor([seq.block_table], device=self.model.device) if steps else tables[-1:]
+        with self._serial():
+            return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
+                                                chain_tables, self.runner.block_size, steps, kv_tokens)[0].tolist()
 
     def _compiled(self):
         """The head's compiled one-token forward (decode_blocks.compiled_head), or None."""

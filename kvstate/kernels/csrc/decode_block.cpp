@@ -210,6 +210,20 @@ struct MtpHead {
     }
     return at::stack(drafts, 1);
   }
+
+  // One entry: `run` over its rows, then `steps` chained drafts from the last row (at the next
+  // positions, in the blocks chain_tables [1, max_blocks]) -> drafts [1, 1 + steps] int64
+  Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
+                   const Tensor& tables, const Tensor& kv_indices, const Tensor& chain_tables, int64_t block_size,
+                   int64_t steps, int64_t wide, bool kv_wide) const {
+    auto out = run(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
+    const int64_t last = ids.size(0) - 1;
+    const Tensor first = std::get<0>(out).narrow(0, last, 1);
+    if (steps == 0) return first.unsqueeze(0);
+    const Tensor more = chain(first, std::get<1>(out).narrow(0, last, 1), k_cache, v_cache,
+                              positions.narrow(0, last, 1) + 1, chain_tables, block_size, steps, wide, kv_wide);
+    return at::cat({first.unsqueeze(0), more}, 1);
+  }
 };
 
 }  // namespace
@@ -253,7 +267,10 @@ void register_decode_blocks(pybind11::module_& m) {
            py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("wide"), py::arg("kv_wide"))
       .def("chain", &MtpHead::chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("start"), py::arg("tables"), py::arg("block_size"), py::arg("steps"), py::arg("wide"),
-           py::arg("kv_wide"));
+           py::arg("kv_wide"))
+      .def("run_chain", &MtpHead::run_chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_tables"),
+           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"));
 }
 
 }  // namespace kvstate
