@@ -41,7 +41,7 @@ class MtpSettings:
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
     copy_share: float = 0.3
-    copy_weight: float = 0.7  # of a copy chat's tokens in the loss (a phone book's: 1): copies have ~6x the tokens
+    copy_weight: float = 0.4  # of a copy chat's tokens in the loss (a phone book's: 1): copies have ~6x the tokens
     copy_words: tuple[int, int] = (8, 64)
     depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
     depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
