@@ -15,6 +15,8 @@ parameters fp32. Any other block
 keeps the per-op path: the decoder mixes both freely.
 `for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
 None; `per_op()` turns the compiled blocks off in a block (tests, the step profile's breakdown).
+`head_for_step(head, batch, embed, lm_head)` does the same for an MTP head's whole forward
+(`ext.MtpHead`: norms, fc, its attention block, norm, LM head and argmax in one call).
 """
 
 from __future__ import annotations
@@ -82,6 +84,70 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks] in verify
     big = kdecode.kv_bytes(batch, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     return entry.run(x, delta, cache.k, cache.v, batch.positions, tables, batch.kv_indices, wide, big)
+
+
+def head_for_step(head, batch, embed, lm_head):
+    """The MTP head (kvstate.models.mtp) as one compiled call for this decode-only step, or None."""
+    return compiled_head(head, embed, lm_head) if batch.decode_only else None
+
+
+def compiled_head(head, embed, lm_head):
+    """The MTP head's compiled forward (`ext.MtpHead`) for one-token rows, or None (not served, `per_op()`)."""
+    if _off.get() or choice() != "auto" or torch.is_grad_enabled():
+        return None
+    made = getattr(head, "_compiled", None)
+    if made is None or made[1] is not embed.weight or made[2] is not lm_head.weight \
+            or not all(g.intact() for g in made[3]):  # a .to() since: build again
+        groups: list = []
+        made = head._compiled = (_head(head, embed, lm_head, groups), embed.weight, lm_head.weight, groups)
+    return made[0]
+
+
+@timed("compiled blocks")
+def run_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: torch.Tensor, tables: torch.Tensor,
+             kv_indices: torch.Tensor, kv_tokens: int):
+    """(argmax [T], y [T, H], logits [T, V]) of the head's compiled forward over one-token rows at
+    `positions` [T], their KV rows `kv_indices` [T], block tables [T, max_blocks]; `kv_tokens`: the
+    keys they read in all (for the thread policy)."""
+    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    return entry.run(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, serial_outer_threads() or 0, big)
+
+
+@timed("compiled blocks")
+def chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, start: torch.Tensor, tables: torch.Tensor,
+               block_size: int, steps: int, kv_tokens: int) -> torch.Tensor:
+    """Drafts [N, steps]: `steps` chained head steps per entry from ids [N] and y [N, H] at positions
+    start [N], start + 1, ... in the entries' blocks tables [N, max_blocks] (`ext.MtpHead.chain`)."""
+    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    return entry.chain(ids, hidden, cache.k, cache.v, start, tables, block_size, steps, serial_outer_threads() or 0,
+                       big)
+
+
+@timed("compiled blocks")
+def run_chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: torch.Tensor,
+                   tables: torch.Tensor, kv_indices: torch.Tensor, chain_tables: torch.Tensor, block_size: int,
+                   steps: int, kv_tokens: int) -> torch.Tensor:
+    """One entry's drafts [1, 1 + steps]: `run_head` over its rows, then `chain_head` from the last row
+    (in the blocks chain_tables [1, max_blocks]), in one call."""
+    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_tables, block_size,
+                           steps, serial_outer_threads() or 0, big)
+
+
+def _head(head, embed, lm_head, groups):
+    ext = extension()
+    if ext is None or _hooked(head) or type(embed) is not torch.nn.Embedding:
+        return None
+    block = head.layers[0]
+    made = _attention(ext, block, groups) if isinstance(block.mixer, Attention) and not _hooked(block) else None
+    norms = [_norm(n) for n in (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden, head.norm)]
+    fc, out, w = _plain(ext, head.fc), _plain(ext, lm_head), embed.weight
+    if made is None or fc is None or out is None or None in norms or len({n[1:] for n in norms}) != 1:
+        return None
+    if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous() or not w.is_cpu:
+        return None
+    eps, offset = norms[0][1:]
+    return ext.MtpHead(w, norms[0][0], norms[1][0], eps, offset, fc, made[1], norms[2][0], out)
 
 
 def plan(model) -> tuple[list, list]:

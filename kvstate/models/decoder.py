@@ -93,5 +93,8 @@ class HybridDecoder(nn.Module):
                 x, delta = block.forward_pending(x, delta, batch, cache)
         if delta is not None:
             x = x + delta
-        logits = self.lm_head(self.norm(x.index_select(0, batch.logits_indices))).float()  # [M, vocab]
-        return (logits, self.norm(x)) if hidden else logits
+        if not hidden:
+            return self.lm_head(self.norm(x.index_select(0, batch.logits_indices))).float()  # [M, vocab]
+        normed = self.norm(x)  # [T, hidden]: the norm is per row, so the logits rows are as above
+        rows = normed if batch.logits_indices.shape[0] == x.shape[0] else normed.index_select(0, batch.logits_indices)
+        return self.lm_head(rows).float(), normed

@@ -46,3 +46,16 @@ class MtpHead(nn.Module):
             y = self.norm(self.layers[0](x, batch, cache))
         rows = y if batch.decode_only else y.index_select(0, batch.logits_indices)  # decode: every row, in order
         return lm_head(rows).float(), y
+
+    def draft(self, input_ids: torch.Tensor, hidden: torch.Tensor, batch, cache, embed: nn.Module,
+              lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `forward`, but (greedy drafts [M] int64, y [T, H]): a decode-only step's rows run as one
+        compiled call where the kernels serve it (decode_blocks.head_for_step), `forward` otherwise."""
+        compiled = decode_blocks.head_for_step(self, batch, embed, lm_head)
+        if compiled is not None:
+            tables = batch.block_tables if batch.token_tables is None else batch.token_tables
+            tokens, y, _ = decode_blocks.run_head(compiled, input_ids, hidden, cache, batch.positions, tables,
+                                                  batch.kv_indices, sum(batch.kv_lens))
+            return tokens, y
+        logits, y = self(input_ids, hidden, batch, cache, embed, lm_head)
+        return logits.argmax(dim=-1), y

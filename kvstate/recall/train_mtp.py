@@ -4,8 +4,12 @@ The target stays frozen: its packed forward (no grad) gives h_p, the last hidden
 final norm, at every position; the head learns to predict the token at p + 2 from h_p and the
 token at p + 1 (docs/mtp.md), with the cross-entropy at every position whose token two ahead is
 part of an assistant reply (phone-book answers and copies), on the same chats the model was
-trained on. The head starts from the target's last full-attention block (same shapes), fc as
-[0 | I] (it passes h through) and zero-centred norms, so step 0 is already a sensible guess.
+trained on. It is trained on the drafts it chains too (`depth`, kvstate.recall.mtp_unroll): draft
+d at p reads the head's own output of draft d - 1 and the true token t_{p+d}, and predicts
+t_{p+d+1}; the drafts' cross-entropies are summed with `depth_weights`. `mtp_loss` is draft 1
+alone, through the engine's own head forward. The head starts from the target's last
+full-attention block (same shapes), fc as [0 | I] (it passes h through) and zero-centred norms,
+so step 0 is already a sensible guess.
 Seeded: a run is repeatable. The result is written into the checkpoint under the real names
 (`mtp.fc.weight`, `mtp.layers.0.*`, ...) with `mtp_num_hidden_layers: 1` in config.json.
 """
@@ -27,6 +31,7 @@ from kvstate.models.batch import Batch
 from kvstate.models.loader import load_model
 from kvstate.models.saver import save_checkpoint
 from kvstate.recall.chat_data import copy_chat, encode_chat, phonebook_chat
+from kvstate.recall.mtp_unroll import unrolled_logits
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,10 @@ class MtpSettings:
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
     copy_share: float = 0.3
-    copy_words: tuple[int, int] = (8, 40)
+    copy_weight: float = 0.4  # of a copy chat's tokens in the loss (a phone book's: 1): copies have ~6x the tokens
+    copy_words: tuple[int, int] = (8, 64)
+    depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
+    depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
 
 
 def with_mtp_config(src: Path, dst: Path) -> Path:
@@ -113,6 +121,41 @@ def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
     return loss, acc
 
 
+def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: float = 1.0
+                  ) -> tuple[torch.Tensor, list[float]]:
+    """(weighted cross-entropy of drafts 1 .. depth at reply tokens, share right per draft): draft d at
+    row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll); a copy
+    chat's tokens count `copy_weight`."""
+    encoded = [encode_chat(tokenizer, c) for c in chats]
+    ids = [e[0] for e in encoded]
+    batch, max_len = _packed(model, ids)
+    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=False)
+    caches = allocate_pools(spec, num_blocks=len(ids), block_size=max_len, num_slots=len(ids))
+    flat = torch.tensor([t for s in ids for t in s], dtype=torch.int64)
+    with torch.no_grad():
+        _, hidden = model(flat, batch, caches, hidden=True)  # [T, H]
+    b = len(ids)
+    padded = torch.zeros(b, max_len, hidden.shape[-1])
+    tokens = torch.zeros(b, max_len, dtype=torch.int64)
+    trained = torch.zeros(b, max_len, dtype=torch.bool)
+    offset = 0
+    for i, (s, tr) in enumerate(encoded):
+        padded[i, : len(s)] = hidden[offset : offset + len(s)]
+        tokens[i, : len(s)] = torch.tensor(s)
+        trained[i, : len(s)] = torch.tensor(tr)
+        offset += len(s)
+    per_chat = torch.tensor([copy_weight if c.kind == "copy" else 1.0 for c in chats])[:, None].expand(b, max_len)
+    loss, accs = torch.zeros(()), []
+    for d, logits in enumerate(unrolled_logits(model, padded, tokens, depth), start=1):
+        target = F.pad(tokens[:, d + 1 :], (0, d + 1))  # [B, T]: t_{p+d+1}
+        keep = F.pad(trained[:, d + 1 :], (0, d + 1))
+        w = per_chat[keep]
+        ce = F.cross_entropy(logits[keep], target[keep], reduction="none")
+        loss = loss + weights[d - 1] * (w * ce).sum() / w.sum()
+        accs.append(float((logits[keep].argmax(-1) == target[keep]).float().mean()))
+    return loss, accs
+
+
 def train_mtp(checkpoint: Path, out: Path, settings: MtpSettings = MtpSettings(), *, seed: int = 0,
               log=None) -> dict:
     """Train the head of `checkpoint`'s model (frozen) and write the model with it to `out` (may be
@@ -141,7 +184,9 @@ def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps, eta_min=settings.lr / 10)
     acc = 0.0
     for step in range(settings.steps):
-        loss, acc = mtp_loss(model, tokenizer, _chats(rng, settings))
+        loss, accs = unrolled_loss(model, tokenizer, _chats(rng, settings), settings.depth, settings.depth_weights,
+                                   settings.copy_weight)
+        acc = accs[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

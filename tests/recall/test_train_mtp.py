@@ -27,3 +27,36 @@ def test_train_mtp_is_seeded_keeps_the_target_and_writes_the_real_names(tmp_path
         assert llm.model.mtp is not None
     finally:
         llm.close()
+
+
+def test_unrolled_drafts_are_the_heads_chained_drafts():
+    """Draft d of the unrolled training forward at row p is what the head drafts at inference: rows 0 .. p
+    from the target's states, then d - 1 chained steps on its own y and the true tokens (docs/mtp.md)."""
+    import torch
+
+    from kvstate.cache.pools import allocate_pools
+    from kvstate.cache.spec import cache_spec
+    from kvstate.models.batch import Batch
+    from kvstate.models.loader import load_model
+    from kvstate.recall.mtp_unroll import unrolled_logits
+
+    model, _ = load_model(resolve_checkpoint("kvstate-phonebook-hybrid"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.plan.vocab_size, (2, 12), generator=g)
+    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=True)
+    with torch.no_grad():
+        caches = allocate_pools(spec, num_blocks=2, block_size=16, num_slots=2)
+        _, hidden = model(ids.flatten(), Batch.build([12, 12], [0, 0], [0, 1], [[0], [1]], 16), caches[:-1],
+                          hidden=True)
+        unrolled = unrolled_logits(model, hidden.view(2, 12, -1), ids, 3)
+        for b, p in ((0, 0), (0, 5), (1, 8)):
+            kv = allocate_pools(spec, num_blocks=1, block_size=16, num_slots=1)[-1]
+            rows = Batch.build([p + 1], [0], [0], [[0]], 16, logits="all")
+            logits, y = model.mtp(ids[b, 1 : p + 2], hidden[12 * b : 12 * b + p + 1], rows, kv, model.embed_tokens,
+                                  model.lm_head)
+            assert torch.allclose(unrolled[0][b, p], logits[-1], atol=1e-4)
+            y = y[-1:]
+            for d in (2, 3):
+                step = Batch.build([1], [p + d - 1], [0], [[0]], 16)
+                logits, y = model.mtp(ids[b, p + d : p + d + 1], y, step, kv, model.embed_tokens, model.lm_head)
+                assert torch.allclose(unrolled[d - 1][b, p], logits[0], atol=1e-4)

@@ -26,6 +26,7 @@ import torch
 
 from kvstate.engine.sequence import SequenceStatus
 from kvstate.kernels.threads import small_ops_serial
+from kvstate.models import decode_blocks
 from kvstate.models.batch import Batch
 from kvstate.profiling import timed
 
@@ -39,17 +40,24 @@ class MtpDrafter:
         self.runner, self.blocks = runner, blocks
         self.model = runner.model
         self.cache = runner.caches[-1]  # the head's KV pools: the cache spec's last layer
-        self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [H])
+        self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [1, H])
+        self.pending: tuple | None = None  # batch 1: observe's compiled head call, run by the propose after it
 
     def release(self, seq) -> None:
         self.ready.pop(seq, None)
+        if self.pending is not None and self.pending[0] is seq:
+            self.pending = None
 
     @timed("drafter")
     @torch.inference_mode()
     def observe(self, step) -> None:
         """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
-        hidden, offsets = self.runner.hidden, self.runner.hidden_batch.token_offsets
-        rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
+        if self.pending is not None:  # no propose ran since the last observe: its KV rows first
+            self._settle(self.pending, 0)
+            self.pending = None
+        hidden, hb = self.runner.hidden, self.runner.hidden_batch
+        offsets = hb.token_offsets
+        rows, ids, lens, starts, slots, tables, live, entries = [], [], [], [], [], [], [], []
         for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
             end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
             if seq.status is not SequenceStatus.RUNNING or end <= c:
@@ -61,25 +69,38 @@ class MtpDrafter:
             slots.append(seq.state_slot)
             tables.append(seq.block_table)
             live.append((seq, end == seq.num_tokens - 1))
+            entries.append(i)
         if not live:
             return
         device = self.model.device
-        if len(rows) == 1:
-            h = hidden[rows[0] : rows[0] + 1]
+        if rows[-1] - rows[0] == len(rows) - 1:  # consecutive rows (batch 1): a view
+            h = hidden[rows[0] : rows[-1] + 1]
         else:
             h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
+        view = len(lens) == 1 and lens[0] <= SHORT and (hb.token_tables is not None or lens[0] == 1)
+        compiled = self._compiled() if view else None
+        if compiled is not None and live[0][1]:  # batch 1 after a decode or verify step: see `propose`
+            r0, r1, n, c = rows[0], rows[-1] + 1, lens[0], starts[0]
+            rt = hb.token_tables[r0:r1] if hb.token_tables is not None else hb.block_tables[entries[0] : entries[0] + 1]
+            self.ready.pop(live[0][0], None)
+            self.pending = (live[0][0], compiled, torch.tensor(ids, device=device), h, hb.positions[r0:r1], rt,
+                            hb.kv_indices[r0:r1], n * c + n * (n + 1) // 2)
+            return
         if max(lens) <= SHORT:  # decode and verify steps: each position one query row, sliced from the step
-            logits, y = self._run(ids, h, self.runner.hidden_batch.decode_at(rows))  # logits of every row
+            tokens, y = self._run(ids, h, hb.decode_at(rows))  # drafts of every row
         else:
-            logits, y = self._forward(ids, h, lens, starts, slots, tables)
-        ys = y
-        if len(rows) != len(lens):  # each entry's last row
+            tokens, y = self._forward(ids, h, lens, starts, slots, tables)
+        if len(lens) == 1:  # batch 1: its last row, as a view
+            ys, tokens = y[-1:], tokens[-1:]
+        elif len(rows) != len(lens):  # each entry's last row
             last = torch.tensor(list(accumulate(lens)), device=device) - 1
             ys = y.index_select(0, last)
-            logits = logits if logits.shape[0] == len(lens) else logits.index_select(0, last)
-        for j, ((seq, at_end), t) in enumerate(zip(live, logits.argmax(dim=-1).tolist())):
+            tokens = tokens if tokens.shape[0] == len(lens) else tokens.index_select(0, last)
+        else:
+            ys = y
+        for j, ((seq, at_end), t) in enumerate(zip(live, tokens.tolist())):
             if at_end:
-                self.ready[seq] = (seq.num_tokens, t, ys[j])
+                self.ready[seq] = (seq.num_tokens, t, ys[j : j + 1])  # y [1, H]
             else:
                 self.ready.pop(seq, None)
 
@@ -88,8 +109,16 @@ class MtpDrafter:
     def propose(self, requests: list[tuple[object, int]]) -> list[list[int]]:
         """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
         drafts: list[list[int]] = [[] for _ in requests]
+        pending, self.pending = self.pending, None
+        if pending is not None:  # observe's rows, then the whole chain, as one compiled call
+            j = next((j for j, (s, _) in enumerate(requests) if s is pending[0]), None)
+            got = self._settle(pending, 0 if j is None else requests[j][1])
+            if j is not None:
+                drafts[j] = got
         chain = []  # (j, seq, k, y) of requests that get more than one draft
         for j, (seq, k) in enumerate(requests):
+            if pending is not None and seq is pending[0]:
+                continue
             got = self.ready.get(seq)
             if got is None or got[0] != seq.num_tokens:
                 continue
@@ -98,20 +127,36 @@ class MtpDrafter:
             if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
                 self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
                 chain.append((j, seq, k, got[2]))
+        compiled = self._compiled() if chain and len({k for _, _, k, _ in chain}) == 1 else None
+        if compiled is not None:  # the whole chain as one compiled call
+            n = [seq.num_tokens for _, seq, _, _ in chain]
+            width = max(len(seq.block_table) for _, seq, _, _ in chain)
+            device = self.model.device
+            ys = chain[0][3] if len(chain) == 1 else torch.cat([c[3] for c in chain])  # [N, H]
+            with self._serial():
+                out = decode_blocks.chain_head(
+                    compiled, torch.tensor([drafts[j][0] for j, *_ in chain], device=device), ys, self.cache,
+                    torch.tensor([m - 1 for m in n], device=device),
+                    torch.tensor([list(seq.block_table) + [-1] * (width - len(seq.block_table))
+                                  for _, seq, _, _ in chain], device=device),
+                    self.runner.block_size, chain[0][2] - 1, sum(n)).tolist()
+            for (j, *_), more in zip(chain, out):
+                drafts[j].extend(more)
+            return drafts
         for step in range(1, max((k for _, _, k, _ in chain), default=1)):
             chain = [c for c in chain if c[2] > step]
             n = [seq.num_tokens for _, seq, _, _ in chain]
-            logits, y = self._forward([drafts[j][-1] for j, *_ in chain], torch.stack([c[3] for c in chain]),
-                                      [1] * len(chain), [m + step - 2 for m in n],
-                                      [seq.state_slot for _, seq, _, _ in chain],
+            ys = chain[0][3] if len(chain) == 1 else torch.cat([c[3] for c in chain])  # [N, H]
+            tokens, y = self._forward([drafts[j][-1] for j, *_ in chain], ys, [1] * len(chain),
+                                      [m + step - 2 for m in n], [seq.state_slot for _, seq, _, _ in chain],
                                       [seq.block_table for _, seq, _, _ in chain])
-            for (j, *_), t in zip(chain, logits.argmax(dim=-1).tolist()):
+            for (j, *_), t in zip(chain, tokens.tolist()):
                 drafts[j].append(t)
-            chain = [(j, seq, k, y[r]) for r, (j, seq, k, _) in enumerate(chain)]
+            chain = [(j, seq, k, y[r : r + 1]) for r, (j, seq, k, _) in enumerate(chain)]
         return drafts
 
     def _forward(self, ids, hidden, query_lens, context_lens, slots, tables):
-        """One batched forward of the head: (logits of each entry's last token [N, V], y [T, H]). A few
+        """One batched forward of the head: (greedy draft of each entry's last token [N], y [T, H]). A few
         tokens per entry (a verify's accepted ones) run as "verify" entries, whose attention takes the
         per-token decode kernel (the head has no recurrent state to keep); long prompt chunks as prefill."""
         device = self.model.device
@@ -122,10 +167,31 @@ class MtpDrafter:
             batch.logits_indices = torch.tensor(batch.token_offsets[1:], device=device) - 1
         return self._run(ids, hidden, batch)
 
+    def _settle(self, pending, k: int) -> list[int]:
+        """Run the head over the rows observe left `pending` (one sequence: its KV there, draft 1 from the
+        last row), then drafts 2..k chained on it where its blocks can grow: one compiled call."""
+        seq, compiled, ids, h, positions, tables, kv_indices, kv_tokens = pending
+        steps = 0
+        if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
+            self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
+            steps = k - 1
+        chain_tables = torch.tensor([seq.block_table], device=self.model.device) if steps else tables[-1:]
+        with self._serial():
+            return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
+                                                chain_tables, self.runner.block_size, steps, kv_tokens)[0].tolist()
+
+    def _compiled(self):
+        """The head's compiled one-token forward (decode_blocks.compiled_head), or None."""
+        return decode_blocks.compiled_head(self.model.mtp, self.model.embed_tokens, self.model.lm_head)
+
+    def _serial(self):
+        """The runner's thread policy of a decode step: small ops on one thread, weight streaming on all."""
+        return small_ops_serial() if self.runner.serial_small_ops else contextlib.nullcontext()
+
     def _run(self, ids: list[int], hidden: torch.Tensor, batch):
-        """The head's forward over `batch`: (logits [N, V], y [T, H])."""
+        """The head's forward over `batch`: (greedy drafts [N], y [T, H])."""
         ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
         # the runner's thread policy of a decode step: small ops on one thread, weight streaming on all
         serial = batch.decode_only and self.runner.serial_small_ops
         with small_ops_serial() if serial else contextlib.nullcontext():
-            return self.model.mtp(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
+            return self.model.mtp.draft(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)

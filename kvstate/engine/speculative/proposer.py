@@ -42,7 +42,7 @@ class Proposer:
             k = self.limit(seq)
             if k:
                 wanted.append((seq, k))
-        if wanted:
+        if wanted or hasattr(self.drafter, "observe"):  # a drafter that observes may have work left from it
             for (seq, k), drafts in zip(wanted, self.drafter.propose(wanted)):
                 seq.spec_token_ids = list(drafts[:k])
 

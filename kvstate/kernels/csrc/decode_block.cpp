@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 #include "decode_ops.h"
 
@@ -163,6 +164,68 @@ struct AttnBlock {
   }
 };
 
+// The MTP head's forward over the rows of a decode-only step (docs/mtp.md), one call where the
+// per-op path (models/mtp.py) runs ~15: the token's embedding row and the hidden state each through
+// their pre-fc RMSNorm, fc over [e ; g], the head's attention block, mtp.norm, the shared LM head,
+// and the argmax (the greedy draft). The same Tensor-level ops as that path, in the same order.
+struct MtpHead {
+  Tensor embed;  // [V, H] the target's embedding, fp32 or bf16
+  Norm pre_e, pre_h;
+  Weight fc;  // [H, 2H]: embedding half first, then the hidden half
+  AttnBlock block;
+  Norm norm;
+  Weight lm_head;  // [V, H]
+
+  // ids [T] int64 (the token after each row's position), hidden [T, H] fp32 (the target's normed
+  // state, or the head's own y when chaining) -> (argmax [T] int64, y [T, H], logits [T, V] fp32)
+  std::tuple<Tensor, Tensor, Tensor> run(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache,
+                                         const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
+                                         int64_t wide, bool kv_wide) const {
+    const Tensor e = embed.index_select(0, ids).to(at::kFloat);  // [T, H]
+    const Tensor en = kvstate::op::rms_norm(e, pre_e.w, pre_e.eps, pre_e.offset);
+    const Tensor hn = kvstate::op::rms_norm(hidden, pre_h.w, pre_h.eps, pre_h.offset);
+    const Tensor x = gemv(at::cat({en, hn}, 1), fc, wide);  // [T, 2H] -> [T, H]
+    auto [sum, delta] = block.run(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
+    const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
+    const Tensor logits = gemv(y, lm_head, wide);  // [T, V]
+    return {logits.argmax(1), y, logits};
+  }
+
+  // `steps` chained drafts per entry i: the first from ids[i] and hidden[i] (the draft before it and
+  // that draft's y) at position start[i], each next one at the next position from the one before and
+  // its y; KV rows in the entry's blocks tables[i] [N, max_blocks] (block_size tokens each, grown to
+  // cover the last position). -> drafts [N, steps] int64
+  Tensor chain(Tensor ids, Tensor hidden, Tensor k_cache, Tensor v_cache, const Tensor& start, const Tensor& tables,
+               int64_t block_size, int64_t steps, int64_t wide, bool kv_wide) const {
+    std::vector<Tensor> drafts;
+    Tensor pos = start;
+    for (int64_t s = 0; s < steps; ++s) {
+      const Tensor blocks = tables.gather(1, at::floor_divide(pos, block_size).unsqueeze(1)).squeeze(1);
+      const Tensor kv = blocks * block_size + at::remainder(pos, block_size);
+      auto out = run(ids, hidden, k_cache, v_cache, pos, tables, kv, wide, kv_wide);
+      ids = std::get<0>(out);
+      hidden = std::get<1>(out);
+      drafts.push_back(ids);
+      pos = pos + 1;
+    }
+    return at::stack(drafts, 1);
+  }
+
+  // One entry: `run` over its rows, then `steps` chained drafts from the last row (at the next
+  // positions, in the blocks chain_tables [1, max_blocks]) -> drafts [1, 1 + steps] int64
+  Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
+                   const Tensor& tables, const Tensor& kv_indices, const Tensor& chain_tables, int64_t block_size,
+                   int64_t steps, int64_t wide, bool kv_wide) const {
+    auto out = run(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
+    const int64_t last = ids.size(0) - 1;
+    const Tensor first = std::get<0>(out).narrow(0, last, 1);
+    if (steps == 0) return first.unsqueeze(0);
+    const Tensor more = chain(first, std::get<1>(out).narrow(0, last, 1), k_cache, v_cache,
+                              positions.narrow(0, last, 1) + 1, chain_tables, block_size, steps, wide, kv_wide);
+    return at::cat({first.unsqueeze(0), more}, 1);
+  }
+};
+
 }  // namespace
 
 namespace kvstate {
@@ -194,6 +257,20 @@ void register_decode_blocks(pybind11::module_& m) {
            }))
       .def("run", &AttnBlock::run, py::arg("x"), py::arg("delta"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("wide"), py::arg("kv_wide"));
+  py::class_<MtpHead>(m, "MtpHead", "an MTP head's forward over a decode step's rows, one call (docs/mtp.md)")
+      .def(py::init([](Tensor embed, Tensor pre_e_w, Tensor pre_h_w, double eps, double offset, Weight fc,
+                       const AttnBlock& block, Tensor norm_w, Weight lm_head) {
+             return MtpHead{embed, {pre_e_w, eps, offset}, {pre_h_w, eps, offset}, fc, block, {norm_w, eps, offset},
+                            lm_head};
+           }))
+      .def("run", &MtpHead::run, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("wide"), py::arg("kv_wide"))
+      .def("chain", &MtpHead::chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("start"), py::arg("tables"), py::arg("block_size"), py::arg("steps"), py::arg("wide"),
+           py::arg("kv_wide"))
+      .def("run_chain", &MtpHead::run_chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_tables"),
+           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"));
 }
 
 }  // namespace kvstate
