@@ -92,16 +92,24 @@ def _packed(model, seqs: list[list[int]]):
     return batch, max_len
 
 
-def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
-    """(cross-entropy of the head at the reply tokens two ahead, share of them it gets right)."""
+def _target_hidden(model, tokenizer, chats, mtp: bool):
+    """The frozen target's packed forward over the chats: (encoded chats, max length, the pools (the
+    head's KV pool last when `mtp`), its normed last hidden state per token [T, H])."""
     encoded = [encode_chat(tokenizer, c) for c in chats]
     ids = [e[0] for e in encoded]
     batch, max_len = _packed(model, ids)
-    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=True)
+    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=mtp)
     caches = allocate_pools(spec, num_blocks=len(ids), block_size=max_len, num_slots=len(ids))
     flat = torch.tensor([t for s in ids for t in s], dtype=torch.int64)
     with torch.no_grad():
-        _, hidden = model(flat, batch, caches[:-1], hidden=True)  # [T, H]
+        _, hidden = model(flat, batch, caches[:-1] if mtp else caches, hidden=True)  # [T, H]
+    return encoded, max_len, caches, hidden
+
+
+def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
+    """(cross-entropy of the head at the reply tokens two ahead, share of them it gets right)."""
+    encoded, _, caches, hidden = _target_hidden(model, tokenizer, chats, mtp=True)
+    ids = [e[0] for e in encoded]
     # head position p of sequence i: h_p and token p + 1 -> token p + 2 (sequences one shorter)
     rows, nxt, target, offset = [], [], [], 0
     for s, trained in encoded:
@@ -126,14 +134,8 @@ def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: flo
     """(weighted cross-entropy of drafts 1 .. depth at reply tokens, share right per draft): draft d at
     row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll); a copy
     chat's tokens count `copy_weight`."""
-    encoded = [encode_chat(tokenizer, c) for c in chats]
+    encoded, max_len, _, hidden = _target_hidden(model, tokenizer, chats, mtp=False)
     ids = [e[0] for e in encoded]
-    batch, max_len = _packed(model, ids)
-    spec = cache_spec(model.plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", mtp=False)
-    caches = allocate_pools(spec, num_blocks=len(ids), block_size=max_len, num_slots=len(ids))
-    flat = torch.tensor([t for s in ids for t in s], dtype=torch.int64)
-    with torch.no_grad():
-        _, hidden = model(flat, batch, caches, hidden=True)  # [T, H]
     b = len(ids)
     padded = torch.zeros(b, max_len, hidden.shape[-1])
     tokens = torch.zeros(b, max_len, dtype=torch.int64)
