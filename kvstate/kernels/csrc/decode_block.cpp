@@ -141,6 +141,14 @@ struct AttnBlock {
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
                                  const Tensor& positions, const Tensor& tables, const Tensor& kv_indices, int64_t wide,
                                  bool kv_wide) const {
+    return run_from(x, delta, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, 0);
+  }
+
+  // `run` that writes every row's K and V but computes the rest only for rows first .. n - 1 (whose
+  // outputs are those of `run`, row by row: no other row enters them)
+  std::tuple<Tensor, Tensor> run_from(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
+                                      const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
+                                      int64_t wide, bool kv_wide, int64_t first) const {
     auto [sum, h] = add_norm(x, delta, norm);
     const Tensor p = gemv(h, w_qkv, wide);
     const int64_t n = p.size(0), nq = H * D * (gated ? 2 : 1), nk = Hkv * D;
@@ -157,10 +165,10 @@ struct AttnBlock {
     Tensor o;
     {
       Threads t(kv_wide ? wide : 0);
-      o = kvstate::op::attention_decode(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions, k_cache,
-                                        v_cache, tables, kv_indices, scale);
+      o = kvstate::op::attention_decode_from(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions,
+                                             k_cache, v_cache, tables, kv_indices, scale, first);
     }
-    return mlp.run(sum, gemv(o, w_o, wide), wide);
+    return mlp.run(first == 0 ? sum : sum.narrow(0, first, n - first), gemv(o, w_o, wide), wide);
   }
 };
 
@@ -181,11 +189,7 @@ struct MtpHead {
   std::tuple<Tensor, Tensor, Tensor> run(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache,
                                          const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
                                          int64_t wide, bool kv_wide) const {
-    const Tensor x = gemv(fc_input(ids, hidden), fc, wide);  // [T, 2H] -> [T, H]
-    auto [sum, delta] = block.run(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
-    const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
-    const Tensor logits = gemv(y, lm_head, wide);  // [T, V]
-    return {logits.argmax(1), y, logits};
+    return run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, 0);
   }
 
   // `steps` chained drafts per entry i: the first from ids[i] and hidden[i] (the draft before it and
@@ -209,20 +213,41 @@ struct MtpHead {
   Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
                    const Tensor& tables, const Tensor& kv_indices, const Tensor& chain_tables, int64_t block_size,
                    int64_t steps, int64_t wide, bool kv_wide) const {
-    auto out = run(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
-    const int64_t last = ids.size(0) - 1;
-    const Tensor first = std::get<0>(out).narrow(0, last, 1);  // [1]
+    const int64_t last = ids.size(0) - 1, from = rows_apart() ? last : 0;  // only the last row's outputs are used
+    auto out = run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, from);
+    const Tensor first = std::get<0>(out).narrow(0, last - from, 1);  // [1]
     auto drafts = at::empty({1, 1 + steps}, first.options());
     int64_t* d = drafts.data_ptr<int64_t>();
     d[0] = first.data_ptr<int64_t>()[0];
     if (steps == 0) return drafts;
     const int64_t start = positions.contiguous().data_ptr<int64_t>()[last] + 1;  // positions: checked by the block
-    chain_into(first, std::get<1>(out).narrow(0, last, 1), k_cache, v_cache, &start, chain_tables, block_size, steps,
+    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &start, chain_tables, block_size, steps,
                wide, kv_wide, d + 1, 1 + steps);
     return drafts;
   }
 
  private:
+  // `run`'s outputs for rows first .. T - 1 (every row's KV written): (argmax, y, logits) [T - first, ...]
+  std::tuple<Tensor, Tensor, Tensor> run_from(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache,
+                                              const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
+                                              int64_t wide, bool kv_wide, int64_t first) const {
+    const Tensor x = gemv(fc_input(ids, hidden), fc, wide);  // [T, 2H] -> [T, H]
+    auto [sum, delta] =
+        block.run_from(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, first);
+    const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
+    const Tensor logits = gemv(y, lm_head, wide);  // [T - first, V]
+    return {logits.argmax(1), y, logits};
+  }
+
+  // The GEMVs after the attention give each row what they give it alone: fp32 weights (AMX, which
+  // serves bf16 and int8 weights from 3 rows on, computes another way than 1 row's path; every other
+  // path gives a row the same bits whatever the rows beside it: tests/kernels/test_gemv.py).
+  bool rows_apart() const {
+    for (const Weight* w : {&block.w_o, &block.mlp.w_gu, &block.mlp.w_down, &lm_head})
+      if (w->w.scalar_type() != at::kFloat) return false;
+    return true;
+  }
+
   // [e ; g] [T, 2H]: the embedding rows of ids and the hidden rows, each through its pre-fc norm. From an fp32
   // embedding the norms write their halves of one buffer (what rms_norm, rms_norm and cat compute, bit for bit).
   Tensor fc_input(const Tensor& ids, const Tensor& hidden) const {
