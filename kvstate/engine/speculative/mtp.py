@@ -178,10 +178,9 @@ class MtpDrafter:
         if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
             self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
             steps = k - 1
-        chain_tables = torch.tensor([seq.block_table], device=self.device) if steps else tables[-1:]
-        with self._serial():
-            return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
-                                                chain_tables, self.runner.block_size, steps, kv_tokens)[0].tolist()
+        return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
+                                            seq.block_table, self.runner.block_size, steps, kv_tokens,
+                                            self.runner.serial_small_ops)[0].tolist()
 
     def _compiled(self):
         """The head's compiled one-token forward (decode_blocks.compiled_head), or None."""

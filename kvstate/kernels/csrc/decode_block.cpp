@@ -209,10 +209,12 @@ struct MtpHead {
   }
 
   // One entry: `run` over its rows, then `steps` chained drafts from the last row (at the next
-  // positions, in the blocks chain_tables [1, max_blocks]) -> drafts [1, 1 + steps] int64
+  // positions, in the blocks of chain_table, the entry's block table) -> drafts [1, 1 + steps] int64.
+  // serial: torch on one thread for the call but the GEMVs on `wide` (kernels.threads' policy).
   Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
-                   const Tensor& tables, const Tensor& kv_indices, const Tensor& chain_tables, int64_t block_size,
-                   int64_t steps, int64_t wide, bool kv_wide) const {
+                   const Tensor& tables, const Tensor& kv_indices, std::vector<int64_t> chain_table,
+                   int64_t block_size, int64_t steps, int64_t wide, bool kv_wide, bool serial) const {
+    Threads one(serial ? 1 : 0);
     const int64_t last = ids.size(0) - 1, from = rows_apart() ? last : 0;  // only the last row's outputs are used
     auto out = run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, from);
     const Tensor first = std::get<0>(out).narrow(0, last - from, 1);  // [1]
@@ -221,8 +223,9 @@ struct MtpHead {
     d[0] = first.data_ptr<int64_t>()[0];
     if (steps == 0) return drafts;
     const int64_t start = positions.contiguous().data_ptr<int64_t>()[last] + 1;  // positions: checked by the block
-    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &start, chain_tables, block_size, steps,
-               wide, kv_wide, d + 1, 1 + steps);
+    const Tensor chain_tables = at::from_blob(chain_table.data(), {1, int64_t(chain_table.size())}, at::kLong);
+    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &start, chain_tables, block_size,
+               steps, wide, kv_wide, d + 1, 1 + steps);
     return drafts;
   }
 
@@ -351,8 +354,8 @@ void register_decode_blocks(pybind11::module_& m) {
            py::arg("start"), py::arg("tables"), py::arg("block_size"), py::arg("steps"), py::arg("wide"),
            py::arg("kv_wide"))
       .def("run_chain", &MtpHead::run_chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_tables"),
-           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"));
+           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_table"),
+           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"), py::arg("serial"));
 }
 
 }  // namespace kvstate
