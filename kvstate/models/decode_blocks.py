@@ -125,13 +125,15 @@ def chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, start: tor
 
 @timed("compiled blocks")
 def run_chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: torch.Tensor,
-                   tables: torch.Tensor, kv_indices: torch.Tensor, chain_tables: torch.Tensor, block_size: int,
-                   steps: int, kv_tokens: int) -> torch.Tensor:
+                   tables: torch.Tensor, kv_indices: torch.Tensor, chain_table: list[int], block_size: int,
+                   steps: int, kv_tokens: int, serial: bool = False) -> torch.Tensor:
     """One entry's drafts [1, 1 + steps]: `run_head` over its rows, then `chain_head` from the last row
-    (in the blocks chain_tables [1, max_blocks]), in one call."""
+    (in the blocks of chain_table, its block table), in one call. `serial`: the call under
+    `small_ops_serial`'s policy, switched in C++ (the context manager costs more than the call's rest)."""
     big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
-    return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_tables, block_size,
-                           steps, serial_outer_threads() or 0, big)
+    wide = serial_outer_threads() or (torch.get_num_threads() if serial else 0)
+    return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_table, block_size,
+                           steps, wide, big, serial)
 
 
 def _head(head, embed, lm_head, groups):

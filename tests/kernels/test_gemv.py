@@ -127,6 +127,22 @@ def test_each_register_tile_runs_and_is_exact(n, k, dtype):
                 assert_close_to_truth(y, x, w, b)
 
 
+@pytest.mark.parametrize("n,k", [(1321, 64), (37, 1000), (130, 33)])
+def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(n, k):
+    """fp32 weights on every ISA (AMX serves only bf16 and int8): row i of a call over m rows is the call
+    over row i alone, bit for bit. The compiled MTP head relies on it (it runs only the last row past its
+    attention, csrc/decode_block.cpp)."""
+    ext = extension()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    for isa in isas():
+        for m in range(2, 18):
+            x = torch.randn(m, k, generator=g)
+            y = ext.linear(x, w, None, isa)
+            for i in (0, m // 2, m - 1):
+                assert torch.equal(y[i : i + 1], ext.linear(x[i : i + 1].clone(), w, None, isa)), (isa, m, i)
+
+
 # AMX: one pass over the weights for up to 32 rows of x (two x blocks of 16), chunks of 32 beyond.
 AMX_SHAPES = [(32, 32), (37, 100), (96, 1000), (64, 160), (33, 2049)]
 

@@ -39,6 +39,9 @@ class MtpDrafter:
         """`runner`: the engine's ModelRunner built with mtp=True; `blocks`: the scheduler's BlockManager."""
         self.runner, self.blocks = runner, blocks
         self.model = runner.model
+        # looked up once: Module attribute lookups are slow, and the drafter runs cold after the kernels
+        self.head, self.embed, self.lm_head = self.model.mtp, self.model.embed_tokens, self.model.lm_head
+        self.device = self.model.device
         self.cache = runner.caches[-1]  # the head's KV pools: the cache spec's last layer
         self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [1, H])
         self.pending: tuple | None = None  # batch 1: observe's compiled head call, run by the propose after it
@@ -72,7 +75,7 @@ class MtpDrafter:
             entries.append(i)
         if not live:
             return
-        device = self.model.device
+        device = self.device
         if rows[-1] - rows[0] == len(rows) - 1:  # consecutive rows (batch 1): a view
             h = hidden[rows[0] : rows[-1] + 1]
         else:
@@ -131,7 +134,7 @@ class MtpDrafter:
         if compiled is not None:  # the whole chain as one compiled call
             n = [seq.num_tokens for _, seq, _, _ in chain]
             width = max(len(seq.block_table) for _, seq, _, _ in chain)
-            device = self.model.device
+            device = self.device
             ys = chain[0][3] if len(chain) == 1 else torch.cat([c[3] for c in chain])  # [N, H]
             with self._serial():
                 out = decode_blocks.chain_head(
@@ -159,7 +162,7 @@ class MtpDrafter:
         """One batched forward of the head: (greedy draft of each entry's last token [N], y [T, H]). A few
         tokens per entry (a verify's accepted ones) run as "verify" entries, whose attention takes the
         per-token decode kernel (the head has no recurrent state to keep); long prompt chunks as prefill."""
-        device = self.model.device
+        device = self.device
         modes = ["decode" if q == 1 else "verify" if q <= SHORT else "prefill" for q in query_lens]
         batch = Batch.build(query_lens, context_lens, slots, tables, self.runner.block_size, modes=modes,
                             device=device)
@@ -175,14 +178,13 @@ class MtpDrafter:
         if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
             self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
             steps = k - 1
-        chain_tables = torch.tensor([seq.block_table], device=self.model.device) if steps else tables[-1:]
-        with self._serial():
-            return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
-                                                chain_tables, self.runner.block_size, steps, kv_tokens)[0].tolist()
+        return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
+                                            seq.block_table, self.runner.block_size, steps, kv_tokens,
+                                            self.runner.serial_small_ops)[0].tolist()
 
     def _compiled(self):
         """The head's compiled one-token forward (decode_blocks.compiled_head), or None."""
-        return decode_blocks.compiled_head(self.model.mtp, self.model.embed_tokens, self.model.lm_head)
+        return decode_blocks.compiled_head(self.head, self.embed, self.lm_head)
 
     def _serial(self):
         """The runner's thread policy of a decode step: small ops on one thread, weight streaming on all."""
@@ -190,8 +192,8 @@ class MtpDrafter:
 
     def _run(self, ids: list[int], hidden: torch.Tensor, batch):
         """The head's forward over `batch`: (greedy drafts [N], y [T, H])."""
-        ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         # the runner's thread policy of a decode step: small ops on one thread, weight streaming on all
         serial = batch.decode_only and self.runner.serial_small_ops
         with small_ops_serial() if serial else contextlib.nullcontext():
-            return self.model.mtp.draft(ids, hidden, batch, self.cache, self.model.embed_tokens, self.model.lm_head)
+            return self.head.draft(ids, hidden, batch, self.cache, self.embed, self.lm_head)

@@ -129,8 +129,8 @@ void attend(const AttnArgs& a, int64_t i, int64_t h, const float* qn, int64_t L,
   }
 }
 
-void step(const AttnArgs& a, int64_t n) {
-  const int64_t G = a.H / a.Hkv;
+// The new rows' keys (k norm, rotary) and values into the cache at their KV rows.
+void write_kv(const AttnArgs& a, int64_t n) {
   // the new keys and values into the pool (keys normalized and rotated)
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t h = 0; h < a.Hkv; ++h) {
@@ -139,14 +139,20 @@ void step(const AttnArgs& a, int64_t n) {
       std::copy(vs, vs + a.Dv, a.vc + (a.kv_idx[i] * a.Hkv + h) * a.Dv);
     }
   }
-  at::parallel_for(0, n * a.Hkv, 1, [&](int64_t j0, int64_t j1) {
+}
+
+// write_kv, then the attention of rows first .. n - 1 (their outputs from a.o on)
+void step(const AttnArgs& a, int64_t n, int64_t first) {
+  const int64_t G = a.H / a.Hkv;
+  write_kv(a, n);
+  at::parallel_for(first * a.Hkv, n * a.Hkv, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> qn(G * a.D), scores;
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t i = j / a.Hkv, h = j % a.Hkv, L = a.pos[i] + 1;
       for (int64_t g = 0; g < G; ++g)
         norm_rotate(a, a.q + i * a.qs0 + (h * G + g) * a.qs1, a.q_norm, a.pos[i], qn.data() + g * a.D);
       scores.resize(G * L);
-      float* o = a.o + (i * a.H + h * G) * a.Dv;
+      float* o = a.o + ((i - first) * a.H + h * G) * a.Dv;
       attend(a, i, h, qn.data(), L, scores.data(), o);
       if (a.gate == nullptr) continue;
       for (int64_t g = 0; g < G; ++g) {
@@ -177,7 +183,7 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
                         double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
                         Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
-                        double scale) {
+                        double scale, int64_t first) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "kvstate attention_decode: caches must be [NB, BS, Hkv, D]");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), NB = k_cache.size(0), BS = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), Dv = v_cache.size(3);
@@ -210,7 +216,8 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
       TORCH_CHECK(tab[i * block_tables.size(1) + b] >= 0 && tab[i * block_tables.size(1) + b] < NB,
                   "kvstate attention_decode: block ", tab[i * block_tables.size(1) + b], " outside the pool");
   }
-  auto o = at::empty({n, H * Dv}, q.options());
+  TORCH_CHECK(first >= 0 && first <= n, "kvstate attention_decode: first row ", first, " outside the ", n, " rows");
+  auto o = at::empty({n - first, H * Dv}, q.options());
   const Tensor& gt = gate.has_value() ? *gate : q;
   AttnArgs a{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
              gate.has_value() ? gate->data_ptr<float>() : nullptr, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -219,7 +226,7 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
              static_cast<float>(offset), static_cast<float>(scale), H, Hkv, D, Dv, R, BS, block_tables.size(1), pos,
              tab, idx, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), o.data_ptr<float>()};
   pybind11::gil_scoped_release no_gil;
-  step(a, n);
+  step(a, n, first);
   return o;
 }
 
@@ -232,7 +239,15 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
                         Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
                         double scale) {
   return ::attention_decode(q, k, v, gate, q_norm, k_norm, eps, offset, inv_freq, positions, k_cache, v_cache,
-                            block_tables, kv_indices, scale);
+                            block_tables, kv_indices, scale, 0);
+}
+Tensor attention_decode_from(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& gate,
+                             const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
+                             double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
+                             Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
+                             double scale, int64_t first) {
+  return ::attention_decode(q, k, v, gate, q_norm, k_norm, eps, offset, inv_freq, positions, k_cache, v_cache,
+                            block_tables, kv_indices, scale, first);
 }
 }  // namespace kvstate::op
 
@@ -240,7 +255,7 @@ namespace kvstate {
 
 void register_decode_attention(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("attention_decode", &attention_decode,
+  m.def("attention_decode", &kvstate::op::attention_decode,
         "one query per sequence: q/k norm, rotary, KV write, paged softmax attention, output gate -> [n, H * Dv]",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("gate"), py::arg("q_norm"), py::arg("k_norm"),
         py::arg("eps"), py::arg("offset"), py::arg("inv_freq"), py::arg("positions"), py::arg("k_cache"),

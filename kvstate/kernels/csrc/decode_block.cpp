@@ -141,6 +141,14 @@ struct AttnBlock {
   std::tuple<Tensor, Tensor> run(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
                                  const Tensor& positions, const Tensor& tables, const Tensor& kv_indices, int64_t wide,
                                  bool kv_wide) const {
+    return run_from(x, delta, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, 0);
+  }
+
+  // `run` that writes every row's K and V but computes the rest only for rows first .. n - 1 (whose
+  // outputs are those of `run`, row by row: no other row enters them)
+  std::tuple<Tensor, Tensor> run_from(const Tensor& x, const OptT& delta, Tensor k_cache, Tensor v_cache,
+                                      const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
+                                      int64_t wide, bool kv_wide, int64_t first) const {
     auto [sum, h] = add_norm(x, delta, norm);
     const Tensor p = gemv(h, w_qkv, wide);
     const int64_t n = p.size(0), nq = H * D * (gated ? 2 : 1), nk = Hkv * D;
@@ -157,10 +165,10 @@ struct AttnBlock {
     Tensor o;
     {
       Threads t(kv_wide ? wide : 0);
-      o = kvstate::op::attention_decode(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions, k_cache,
-                                        v_cache, tables, kv_indices, scale);
+      o = kvstate::op::attention_decode_from(q, k, v, g, q_norm, k_norm, qk_eps, qk_offset, inv_freq, positions,
+                                             k_cache, v_cache, tables, kv_indices, scale, first);
     }
-    return mlp.run(sum, gemv(o, w_o, wide), wide);
+    return mlp.run(first == 0 ? sum : sum.narrow(0, first, n - first), gemv(o, w_o, wide), wide);
   }
 };
 
@@ -181,48 +189,125 @@ struct MtpHead {
   std::tuple<Tensor, Tensor, Tensor> run(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache,
                                          const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
                                          int64_t wide, bool kv_wide) const {
-    const Tensor e = embed.index_select(0, ids).to(at::kFloat);  // [T, H]
-    const Tensor en = kvstate::op::rms_norm(e, pre_e.w, pre_e.eps, pre_e.offset);
-    const Tensor hn = kvstate::op::rms_norm(hidden, pre_h.w, pre_h.eps, pre_h.offset);
-    const Tensor x = gemv(at::cat({en, hn}, 1), fc, wide);  // [T, 2H] -> [T, H]
-    auto [sum, delta] = block.run(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
-    const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
-    const Tensor logits = gemv(y, lm_head, wide);  // [T, V]
-    return {logits.argmax(1), y, logits};
+    return run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, 0);
   }
 
   // `steps` chained drafts per entry i: the first from ids[i] and hidden[i] (the draft before it and
   // that draft's y) at position start[i], each next one at the next position from the one before and
   // its y; KV rows in the entry's blocks tables[i] [N, max_blocks] (block_size tokens each, grown to
   // cover the last position). -> drafts [N, steps] int64
-  Tensor chain(Tensor ids, Tensor hidden, Tensor k_cache, Tensor v_cache, const Tensor& start, const Tensor& tables,
-               int64_t block_size, int64_t steps, int64_t wide, bool kv_wide) const {
-    std::vector<Tensor> drafts;
-    Tensor pos = start;
-    for (int64_t s = 0; s < steps; ++s) {
-      const Tensor blocks = tables.gather(1, at::floor_divide(pos, block_size).unsqueeze(1)).squeeze(1);
-      const Tensor kv = blocks * block_size + at::remainder(pos, block_size);
-      auto out = run(ids, hidden, k_cache, v_cache, pos, tables, kv, wide, kv_wide);
-      ids = std::get<0>(out);
-      hidden = std::get<1>(out);
-      drafts.push_back(ids);
-      pos = pos + 1;
-    }
-    return at::stack(drafts, 1);
+  Tensor chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& start,
+               const Tensor& tables, int64_t block_size, int64_t steps, int64_t wide, bool kv_wide) const {
+    TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.size(0) == ids.size(0),
+                "kvstate MtpHead.chain: start must be int64 [N]");
+    const int64_t n = start.size(0);
+    auto drafts = at::empty({n, steps}, ids.options());
+    const Tensor s = start.contiguous();
+    chain_into(ids, hidden, k_cache, v_cache, s.data_ptr<int64_t>(), tables, block_size, steps, wide, kv_wide,
+               drafts.data_ptr<int64_t>(), steps);
+    return drafts;
   }
 
   // One entry: `run` over its rows, then `steps` chained drafts from the last row (at the next
-  // positions, in the blocks chain_tables [1, max_blocks]) -> drafts [1, 1 + steps] int64
+  // positions, in the blocks of chain_table, the entry's block table) -> drafts [1, 1 + steps] int64.
+  // serial: torch on one thread for the call but the GEMVs on `wide` (kernels.threads' policy).
   Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
-                   const Tensor& tables, const Tensor& kv_indices, const Tensor& chain_tables, int64_t block_size,
-                   int64_t steps, int64_t wide, bool kv_wide) const {
-    auto out = run(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide);
-    const int64_t last = ids.size(0) - 1;
-    const Tensor first = std::get<0>(out).narrow(0, last, 1);
-    if (steps == 0) return first.unsqueeze(0);
-    const Tensor more = chain(first, std::get<1>(out).narrow(0, last, 1), k_cache, v_cache,
-                              positions.narrow(0, last, 1) + 1, chain_tables, block_size, steps, wide, kv_wide);
-    return at::cat({first.unsqueeze(0), more}, 1);
+                   const Tensor& tables, const Tensor& kv_indices, std::vector<int64_t> chain_table,
+                   int64_t block_size, int64_t steps, int64_t wide, bool kv_wide, bool serial) const {
+    Threads one(serial ? 1 : 0);
+    const int64_t last = ids.size(0) - 1, from = rows_apart() ? last : 0;  // only the last row's outputs are used
+    auto out = run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, from);
+    const Tensor first = std::get<0>(out).narrow(0, last - from, 1);  // [1]
+    auto drafts = at::empty({1, 1 + steps}, first.options());
+    int64_t* d = drafts.data_ptr<int64_t>();
+    d[0] = first.data_ptr<int64_t>()[0];
+    if (steps == 0) return drafts;
+    const int64_t start = positions.contiguous().data_ptr<int64_t>()[last] + 1;  // positions: checked by the block
+    const Tensor chain_tables = at::from_blob(chain_table.data(), {1, int64_t(chain_table.size())}, at::kLong);
+    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &start, chain_tables, block_size,
+               steps, wide, kv_wide, d + 1, 1 + steps);
+    return drafts;
+  }
+
+ private:
+  // `run`'s outputs for rows first .. T - 1 (every row's KV written): (argmax, y, logits) [T - first, ...]
+  std::tuple<Tensor, Tensor, Tensor> run_from(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache,
+                                              const Tensor& positions, const Tensor& tables, const Tensor& kv_indices,
+                                              int64_t wide, bool kv_wide, int64_t first) const {
+    const Tensor x = gemv(fc_input(ids, hidden), fc, wide);  // [T, 2H] -> [T, H]
+    auto [sum, delta] =
+        block.run_from(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, first);
+    const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
+    const Tensor logits = gemv(y, lm_head, wide);  // [T - first, V]
+    return {logits.argmax(1), y, logits};
+  }
+
+  // The GEMVs after the attention give each row what they give it alone: fp32 weights (AMX, which
+  // serves bf16 and int8 weights from 3 rows on, computes another way than 1 row's path; every other
+  // path gives a row the same bits whatever the rows beside it: tests/kernels/test_gemv.py).
+  bool rows_apart() const {
+    for (const Weight* w : {&block.w_o, &block.mlp.w_gu, &block.mlp.w_down, &lm_head})
+      if (w->w.scalar_type() != at::kFloat) return false;
+    return true;
+  }
+
+  // [e ; g] [T, 2H]: the embedding rows of ids and the hidden rows, each through its pre-fc norm. From an fp32
+  // embedding the norms write their halves of one buffer (what rms_norm, rms_norm and cat compute, bit for bit).
+  Tensor fc_input(const Tensor& ids, const Tensor& hidden) const {
+    const int64_t T = ids.numel(), H = pre_h.w.numel(), V = embed.size(0);
+    const bool direct = embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H &&
+                        ids.scalar_type() == at::kLong && ids.dim() == 1 && hidden.scalar_type() == at::kFloat &&
+                        hidden.dim() == 2 && hidden.size(0) == T && hidden.size(1) == H && hidden.stride(1) == 1 &&
+                        pre_e.w.numel() == H && pre_e.w.is_contiguous() && pre_h.w.is_contiguous() &&
+                        pre_e.w.scalar_type() == at::kFloat && pre_h.w.scalar_type() == at::kFloat;
+    if (!direct) {
+      const Tensor e = embed.index_select(0, ids).to(at::kFloat);  // [T, H]
+      const Tensor en = kvstate::op::rms_norm(e, pre_e.w, pre_e.eps, pre_e.offset);
+      const Tensor hn = kvstate::op::rms_norm(hidden, pre_h.w, pre_h.eps, pre_h.offset);
+      return at::cat({en, hn}, 1);
+    }
+    auto out = at::empty({T, 2 * H}, hidden.options());
+    const Tensor idc = ids.contiguous();
+    const int64_t* id_of = idc.data_ptr<int64_t>();
+    const float *E = embed.data_ptr<float>(), *h = hidden.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t id = id_of[i];
+      TORCH_CHECK(id >= 0 && id < V, "kvstate MtpHead: token id ", id, " out of range for ", V, " embeddings");
+      kvstate::dec::rms_norm_row(E + id * H, pre_e.w.data_ptr<float>(), pre_e.offset, pre_e.eps, H, o + i * 2 * H);
+      kvstate::dec::rms_norm_row(h + i * hidden.stride(0), pre_h.w.data_ptr<float>(), pre_h.offset, pre_h.eps, H,
+                                 o + i * 2 * H + H);
+    }
+    return out;
+  }
+
+  // `chain`'s loop, the positions and KV rows of each draft as plain integers (one [2, N] buffer for all
+  // steps): draft s of entry i to out[i * stride + s].
+  void chain_into(Tensor ids, Tensor hidden, Tensor k_cache, Tensor v_cache, const int64_t* start,
+                  const Tensor& tables, int64_t block_size, int64_t steps, int64_t wide, bool kv_wide, int64_t* out,
+                  int64_t stride) const {
+    const int64_t n = ids.size(0);
+    TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == n && block_size > 0,
+                "kvstate MtpHead.chain: tables must be int64 [N, max_blocks]");
+    const Tensor tab = tables.contiguous();
+    const int64_t width = tab.size(1);
+    const int64_t* t = tab.data_ptr<int64_t>();
+    auto rows = at::empty({2, n}, tab.options());  // positions [N], KV rows [N]
+    int64_t *pos = rows.data_ptr<int64_t>(), *kv = pos + n;
+    const Tensor positions = rows[0], kv_indices = rows[1];
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int64_t i = 0; i < n; ++i) {
+        pos[i] = start[i] + s;
+        const int64_t b = pos[i] / block_size;
+        TORCH_CHECK(pos[i] >= 0 && b < width, "kvstate MtpHead.chain: position ", pos[i], " past the block table");
+        kv[i] = t[i * width + b] * block_size + pos[i] % block_size;
+      }
+      auto res = run(ids, hidden, k_cache, v_cache, positions, tab, kv_indices, wide, kv_wide);
+      ids = std::get<0>(res);
+      hidden = std::get<1>(res);
+      const int64_t* d = ids.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) out[i * stride + s] = d[i];
+    }
   }
 };
 
@@ -269,8 +354,8 @@ void register_decode_blocks(pybind11::module_& m) {
            py::arg("start"), py::arg("tables"), py::arg("block_size"), py::arg("steps"), py::arg("wide"),
            py::arg("kv_wide"))
       .def("run_chain", &MtpHead::run_chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_tables"),
-           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"));
+           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_table"),
+           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"), py::arg("serial"));
 }
 
 }  // namespace kvstate

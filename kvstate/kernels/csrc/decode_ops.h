@@ -79,6 +79,12 @@ Tensor attention_decode(const Tensor& q, const Tensor& k, const Tensor& v, const
                         double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
                         Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
                         double scale);
+// attention_decode that writes every row's K and V but attends only from row `first` on -> [n - first, H * Dv]
+Tensor attention_decode_from(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& gate,
+                             const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double eps,
+                             double offset, const c10::optional<Tensor>& inv_freq, const Tensor& positions,
+                             Tensor k_cache, Tensor v_cache, const Tensor& block_tables, const Tensor& kv_indices,
+                             double scale, int64_t first);
 }  // namespace kvstate::op
 
 namespace kvstate {
