@@ -34,14 +34,14 @@ def _ready(pg) -> str:
 
 
 def test_the_page_takes_the_key_from_the_address_or_asks_once(browser, keyed):
-    pg = browser.new_page()
+    pg = browser.new_page()  # the module's fresh profile, the keyed server's own origin: no key stored yet
     errors: list[str] = []
     pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    pg.goto(keyed + "/")
-    pg.evaluate("localStorage.removeItem('kvstate-api-key')")
     asked: list[str] = []
+    # The handler is in place before the first load: a reload after clearing the key raced the first
+    # load's own 401 prompt (auto-dismissed, or answered on a page being replaced) and hung under load.
     pg.on("dialog", lambda d: (asked.append(d.message), d.accept(KEY)))
-    pg.reload()
+    pg.goto(keyed + "/")
     assert "serving" in _ready(pg) and len(asked) == 1  # one 401 asked; the key then served every call
     assert pg.evaluate("localStorage.getItem('kvstate-api-key')") == KEY
     assert pg.evaluate("fetch('explorer/api/models').then(r => r.status)") == 401  # the key is needed
