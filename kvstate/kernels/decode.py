@@ -58,9 +58,10 @@ def state_bytes(pool: torch.Tensor, n: int) -> int:
     return n * pool[0].numel() * 4
 
 
-def kv_bytes(batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Bytes of keys and values a decode step's attention reads over the batch's contexts."""
-    return sum(batch.kv_lens) * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4
+def kv_bytes(tokens: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Bytes of keys and values an attention step reads over `tokens` keys in all (a decode step's:
+    sum(batch.kv_lens))."""
+    return tokens * k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * 4
 
 
 def _wide_call(state_bytes: int, fn, *args, threshold: int | None = None):
@@ -195,6 +196,7 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
         return None
     eps, offset = (0.0, 0.0) if q_norm is None else (q_norm.eps, q_norm.offset)
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks]
-    return _wide_call(kv_bytes(batch, k_cache, v_cache), ext.attention_decode, q, k, v, gate, qw, kw, eps, offset,
+    read = kv_bytes(sum(batch.kv_lens), k_cache, v_cache)
+    return _wide_call(read, ext.attention_decode, q, k, v, gate, qw, kw, eps, offset,
                       inv_freq, batch.positions, k_cache, v_cache, tables, batch.kv_indices, scale,
                       threshold=WIDE_KV_BYTES)

@@ -82,7 +82,7 @@ def run(entry, x: torch.Tensor, delta: torch.Tensor | None, batch, cache):
         batch.rollback += [(cache.state, group, states, True), (cache.conv, group, windows, True)]  # keep_states
         return x, delta
     tables = batch.block_tables if batch.token_tables is None else batch.token_tables  # [T, max_blocks] in verify
-    big = kdecode.kv_bytes(batch, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
+    big = kdecode.kv_bytes(sum(batch.kv_lens), cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     return entry.run(x, delta, cache.k, cache.v, batch.positions, tables, batch.kv_indices, wide, big)
 
 
@@ -109,7 +109,7 @@ def run_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: t
     """(argmax [T], y [T, H], logits [T, V]) of the head's compiled forward over one-token rows at
     `positions` [T], their KV rows `kv_indices` [T], block tables [T, max_blocks]; `kv_tokens`: the
     keys they read in all (for the thread policy)."""
-    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    big = kdecode.kv_bytes(kv_tokens, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     return entry.run(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, serial_outer_threads() or 0, big)
 
 
@@ -118,7 +118,7 @@ def chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, start: tor
                block_size: int, steps: int, kv_tokens: int) -> torch.Tensor:
     """Drafts [N, steps]: `steps` chained head steps per entry from ids [N] and y [N, H] at positions
     start [N], start + 1, ... in the entries' blocks tables [N, max_blocks] (`ext.MtpHead.chain`)."""
-    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    big = kdecode.kv_bytes(kv_tokens, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     return entry.chain(ids, hidden, cache.k, cache.v, start, tables, block_size, steps, serial_outer_threads() or 0,
                        big)
 
@@ -130,7 +130,7 @@ def run_chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positi
     """One entry's drafts [1, 1 + steps]: `run_head` over its rows, then `chain_head` from the last row
     (in the blocks of chain_table, its block table), in one call. `serial`: the call under
     `small_ops_serial`'s policy, switched in C++ (the context manager costs more than the call's rest)."""
-    big = kv_tokens * cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * 4 >= kdecode.WIDE_KV_BYTES
+    big = kdecode.kv_bytes(kv_tokens, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     wide = serial_outer_threads() or (torch.get_num_threads() if serial else 0)
     return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_table, block_size,
                            steps, wide, big, serial)
