@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the target checkpoint or shipped model name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--out", metavar="DIR", default=None, help="write the model with its head here "
                         "(default: over the target checkpoint)")
-    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 1600)")
+    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 3200)")
     parser.add_argument("--chunk-steps", type=count_arg, default=None, metavar="N",
                         help="run at most N steps, keep the training state in the output directory and stop; "
                         "the same command again continues (to the same head as one run)")

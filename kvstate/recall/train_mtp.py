@@ -36,7 +36,7 @@ from kvstate.recall.mtp_unroll import unrolled_logits
 
 @dataclass(frozen=True)
 class MtpSettings:
-    steps: int = 1600
+    steps: int = 3200
     batch: int = 16
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
@@ -45,7 +45,7 @@ class MtpSettings:
     copy_words: tuple[int, int] = (8, 64)
     depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
     depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
-    copy_depth_scale: tuple[float, ...] = (1.0, 1.0, 1.0)  # copy tokens weigh copy_weight * this in draft d
+    copy_depth_scale: tuple[float, ...] = (1.0, 2.0, 3.0)  # copy tokens weigh copy_weight * this in draft d
     warmup: int = 0  # steps of linear lr warm-up before the cosine
 
 
