@@ -23,7 +23,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the target checkpoint or shipped model name (default: kvstate-phonebook-hybrid)")
     parser.add_argument("--out", metavar="DIR", default=None, help="write the model with its head here "
                         "(default: over the target checkpoint)")
-    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 1600)")
+    parser.add_argument("--steps", type=count_arg, default=None, help="optimiser steps (default: 3200)")
+    parser.add_argument("--chunk-steps", type=count_arg, default=None, metavar="N",
+                        help="run at most N steps, keep the training state in the output directory and stop; "
+                        "the same command again continues (to the same head as one run)")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of weights and data (default: 0)")
     parser.add_argument("--eval-only", action="store_true", help="measure the head the checkpoint has")
     parser.add_argument("--k", type=count_arg, default=1, help="drafts per step in the measurement (default: 1)")
@@ -42,9 +45,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.eval_only:
         settings = MtpSettings() if args.steps is None else replace(MtpSettings(), steps=args.steps)
         with console.status("training the MTP head") as status:
-            train_mtp(src, out, settings, seed=args.seed,
-                      log=lambda i, loss, acc: status.update(f"training the MTP head: step {i}, loss {loss:.3f}, "
-                                                             f"acc {acc:.2f}"))
+            done = train_mtp(src, out, settings, seed=args.seed, chunk=args.chunk_steps,
+                             log=lambda i, loss, acc: status.update(f"training the MTP head: step {i}, "
+                                                                    f"loss {loss:.3f}, acc {acc:.2f}"))
+        if not done["done"]:
+            console.print(f"trained {done['steps']} of {settings.steps} steps; the same command continues")
+            return 0
     with console.status("measuring"):
         rows = measure(str(out), k=args.k)
     if args.json:

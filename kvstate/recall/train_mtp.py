@@ -36,7 +36,7 @@ from kvstate.recall.mtp_unroll import unrolled_logits
 
 @dataclass(frozen=True)
 class MtpSettings:
-    steps: int = 1600
+    steps: int = 3200
     batch: int = 16
     lr: float = 3e-3
     max_entries: int = 12  # phone books of 1..max_entries entries
@@ -45,6 +45,8 @@ class MtpSettings:
     copy_words: tuple[int, int] = (8, 64)
     depth: int = 3  # drafts chained in the objective (kvstate.recall.mtp_unroll)
     depth_weights: tuple[float, ...] = (1.0, 0.5, 0.3)  # of each draft's cross-entropy
+    copy_depth_scale: tuple[float, ...] = (1.0, 2.0, 3.0)  # copy tokens weigh copy_weight * this in draft d
+    warmup: int = 0  # steps of linear lr warm-up before the cosine
 
 
 def with_mtp_config(src: Path, dst: Path) -> Path:
@@ -129,11 +131,11 @@ def mtp_loss(model, tokenizer, chats) -> tuple[torch.Tensor, float]:
     return loss, acc
 
 
-def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: float = 1.0
-                  ) -> tuple[torch.Tensor, list[float]]:
+def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: float = 1.0,
+                  copy_scale: tuple[float, ...] | None = None) -> tuple[torch.Tensor, list[float]]:
     """(weighted cross-entropy of drafts 1 .. depth at reply tokens, share right per draft): draft d at
     row p predicts t_{p+d+1}, chained on the head's own output (kvstate.recall.mtp_unroll); a copy
-    chat's tokens count `copy_weight`."""
+    chat's tokens count `copy_weight` (times `copy_scale[d - 1]` in draft d)."""
     encoded, max_len, _, hidden = _target_hidden(model, tokenizer, chats, mtp=False)
     ids = [e[0] for e in encoded]
     b = len(ids)
@@ -146,35 +148,46 @@ def unrolled_loss(model, tokenizer, chats, depth: int, weights, copy_weight: flo
         tokens[i, : len(s)] = torch.tensor(s)
         trained[i, : len(s)] = torch.tensor(tr)
         offset += len(s)
-    per_chat = torch.tensor([copy_weight if c.kind == "copy" else 1.0 for c in chats])[:, None].expand(b, max_len)
+    is_copy = torch.tensor([c.kind == "copy" for c in chats])[:, None].expand(b, max_len)  # [B, T]
     loss, accs = torch.zeros(()), []
     for d, logits in enumerate(unrolled_logits(model, padded, tokens, depth), start=1):
         target = F.pad(tokens[:, d + 1 :], (0, d + 1))  # [B, T]: t_{p+d+1}
         keep = F.pad(trained[:, d + 1 :], (0, d + 1))
-        w = per_chat[keep]
+        scale = 1.0 if copy_scale is None else copy_scale[d - 1]
+        w = torch.where(is_copy, copy_weight * scale, 1.0)[keep]
         ce = F.cross_entropy(logits[keep], target[keep], reduction="none")
         loss = loss + weights[d - 1] * (w * ce).sum() / w.sum()
         accs.append(float((logits[keep].argmax(-1) == target[keep]).float().mean()))
     return loss, accs
 
 
+STATE = "mtp_train_state.pt"  # in `out` while a run in chunks is unfinished
+
+
 def train_mtp(checkpoint: Path, out: Path, settings: MtpSettings = MtpSettings(), *, seed: int = 0,
-              log=None) -> dict:
+              log=None, chunk: int | None = None) -> dict:
     """Train the head of `checkpoint`'s model (frozen) and write the model with it to `out` (may be
     `checkpoint` itself: its head is then retrained from the initialization above). One CPU thread:
-    these matrices gain nothing from a second, and the machine is shared."""
+    these matrices gain nothing from a second, and the machine is shared. With `chunk`, at most that
+    many steps run; an unfinished run leaves its state (head, optimiser, schedule, data rng) in
+    `out`/STATE and the next call with the same settings and seed continues it, to the very same
+    head as one call. {"steps": steps done, "done": whether the head was written}."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train(Path(checkpoint), Path(out), settings, seed, log)
+        return _train(Path(checkpoint), Path(out), settings, seed, log, chunk)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -> dict:
+def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log, chunk: int | None) -> dict:
     from tokenizers import Tokenizer
 
-    work = with_mtp_config(checkpoint, out)
+    key = repr((settings, seed))
+    state = torch.load(out / STATE, weights_only=False) if (out / STATE).is_file() else None
+    if state is not None and state["key"] != key:
+        state = None  # another run's: start afresh
+    work = with_mtp_config(checkpoint, out) if state is None else out
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     model, plan = load_model(work, weight_dtype="float32")
@@ -183,11 +196,24 @@ def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -
         p.requires_grad_(name.startswith("mtp."))
     params = [p for p in model.mtp.parameters()]
     opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps, eta_min=settings.lr / 10)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, settings.steps - settings.warmup, eta_min=settings.lr / 10)
+    sched = cosine if settings.warmup == 0 else torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 1 / settings.warmup, 1.0, settings.warmup), cosine],
+        [settings.warmup])
+    start = 0
+    if state is not None:
+        with torch.no_grad():
+            model.mtp.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        start = state["step"]
+    end = settings.steps if chunk is None else min(settings.steps, start + chunk)
     acc = 0.0
-    for step in range(settings.steps):
+    for step in range(start, end):
         loss, accs = unrolled_loss(model, tokenizer, _chats(rng, settings), settings.depth, settings.depth_weights,
-                                   settings.copy_weight)
+                                   settings.copy_weight, settings.copy_depth_scale)
         acc = accs[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -196,6 +222,12 @@ def _train(checkpoint: Path, out: Path, settings: MtpSettings, seed: int, log) -
         sched.step()
         if log is not None and step % 25 == 0:
             log(step, float(loss.detach()), acc)
+    if end < settings.steps:
+        torch.save(dict(key=key, step=end, head=model.mtp.state_dict(), opt=opt.state_dict(),
+                        sched=sched.state_dict(), rng=rng.bit_generator.state, torch_rng=torch.get_rng_state()),
+                   out / STATE)
+        return {"steps": end, "done": False, "train_acc_last": acc}
     model.eval()
     save_checkpoint(model, plan, work)
-    return {"steps": settings.steps, "train_acc_last": acc}
+    (out / STATE).unlink(missing_ok=True)
+    return {"steps": settings.steps, "done": True, "train_acc_last": acc}

@@ -1,11 +1,13 @@
 """`kvstate recall train-mtp`'s trainer: the target stays as it was, the head lands under the real
 names, and a run is repeatable (seeded)."""
 
+from dataclasses import replace
+
 from safetensors.torch import load_file
 
 from kvstate.hub import resolve_checkpoint
 from kvstate.llm import LLM
-from kvstate.recall.train_mtp import MtpSettings, train_mtp
+from kvstate.recall.train_mtp import STATE, MtpSettings, train_mtp
 
 TINY = MtpSettings(steps=2, batch=2, copy_words=(4, 8), max_entries=2)
 
@@ -27,6 +29,22 @@ def test_train_mtp_is_seeded_keeps_the_target_and_writes_the_real_names(tmp_path
         assert llm.model.mtp is not None
     finally:
         llm.close()
+
+
+def test_train_mtp_in_chunks_gives_the_head_of_one_run(tmp_path):
+    """A run stopped every 2 steps and continued (the state in the output directory) ends on the very
+    head one uninterrupted run writes, with a warm-up and a copy-weighted chain; a state left by other
+    settings is not continued."""
+    src = resolve_checkpoint("kvstate-phonebook-hybrid")
+    s = replace(TINY, steps=5, warmup=2, copy_share=0.5, copy_depth_scale=(1.0, 2.0, 3.0))
+    train_mtp(src, tmp_path / "one", s, seed=1)
+    assert train_mtp(src, tmp_path / "chunks", replace(s, lr=1e-2), seed=1, chunk=2)["done"] is False
+    done = [train_mtp(src, tmp_path / "chunks", s, seed=1, chunk=2)["steps"] for _ in range(3)]
+    assert done == [2, 4, 5]  # the other lr's state was not continued
+    assert not (tmp_path / "chunks" / STATE).exists()
+    a, b = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("one", "chunks"))
+    heads = sorted(k for k in a if k.startswith("mtp."))
+    assert heads and all((a[k] == b[k]).all() for k in heads)
 
 
 def test_unrolled_drafts_are_the_heads_chained_drafts():
