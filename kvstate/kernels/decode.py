@@ -128,6 +128,22 @@ def conv_update(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight
     return ext.conv_update(_rows(x), pool, slots, weight, bias, activation == "silu")
 
 
+def copy_rows(dst: list, dst_rows: list[int], src: list, src_rows: list[int]) -> bool:
+    """dst[i][dst_rows[i]] = src[i][src_rows[i]] for every i in one compiled call (a verify step's
+    rollback: each layer's pools keep the state after the accepted tokens); False, nothing copied,
+    where the kernels do not serve it (the caller copies with torch)."""
+    if (_forced.get() or _DEFAULT) == "torch":
+        return False
+    for d, t in zip(dst, src):
+        if d.dtype != t.dtype or not (d.is_cpu and t.is_cpu and d.is_contiguous() and t.is_contiguous()):
+            return False
+    ext = _ext.load()
+    if ext is None:
+        return False
+    ext.copy_rows(dst, dst_rows, src, src_rows)
+    return True
+
+
 def gdn_recurrent(q, k, v, g, beta, *, pool: torch.Tensor, slots: torch.Tensor, scale: float | None,
                   l2: bool) -> torch.Tensor | None:
     """One gated-delta-rule token per sequence: q, k [n, H, K], v [n, HV, V], g, beta [n, HV]; the

@@ -120,8 +120,9 @@ def keep_states(batch, keep: dict[int, int]) -> None:
     tokens (>= 1). `batch.rollback` holds (pool, group, states [T_g, *row], first): the pool holds
     each entry's state after its first token (`first`) or after all of them; only other counts are
     written."""
-    # row by row into the pool's own rows: an index_select would first copy each kept state (~1 MiB
-    # per layer on the 0.5b model) into a fresh tensor
+    # row by row into the pool's own rows (an index_select would first copy each kept state, ~1 MiB
+    # per layer on the 0.5b model, into a fresh tensor): every layer's rows in one compiled call
+    dst, dst_rows, src, src_rows = [], [], [], []
     host_slots: dict[int, list[int]] = {}
     for pool, group, states, first in batch.rollback:
         start = 0
@@ -134,9 +135,12 @@ def keep_states(batch, keep: dict[int, int]) -> None:
                 slots = host_slots.get(id(group))
                 if slots is None:
                     slots = host_slots[id(group)] = group.slots.tolist()
-                pool[slots[j]].copy_(states[start + k - 1])
+                dst.append(pool), dst_rows.append(slots[j]), src.append(states), src_rows.append(start + k - 1)
             start += q
     batch.rollback.clear()
+    if dst and not kdecode.copy_rows(dst, dst_rows, src, src_rows):
+        for pool, d, states, r in zip(dst, dst_rows, src, src_rows):
+            pool[d].copy_(states[r])
 
 
 def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.Tensor], *,

@@ -124,16 +124,17 @@ def chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, start: tor
 
 
 @timed("compiled blocks")
-def run_chain_head(entry, ids: torch.Tensor, hidden: torch.Tensor, cache, positions: torch.Tensor,
-                   tables: torch.Tensor, kv_indices: torch.Tensor, chain_table: list[int], block_size: int,
-                   steps: int, kv_tokens: int, serial: bool = False) -> torch.Tensor:
-    """One entry's drafts [1, 1 + steps]: `run_head` over its rows, then `chain_head` from the last row
-    (in the blocks of chain_table, its block table), in one call. `serial`: the call under
-    `small_ops_serial`'s policy, switched in C++ (the context manager costs more than the call's rest)."""
-    big = kdecode.kv_bytes(kv_tokens, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
+def run_chain_head(entry, ids: list[int], hidden: torch.Tensor, cache, start: int, table: list[int],
+                   block_size: int, steps: int, serial: bool = False) -> list[int]:
+    """One entry's drafts [1 + steps]: the head over its rows (the tokens `ids` after positions start ..
+    start + len(ids) - 1, hidden [len(ids), H]: their KV written, draft 1 from the last row), then
+    `steps` chained drafts from there, in the blocks of `table` (its block table, grown to cover the
+    last draft), in one call. `serial`: the call under `small_ops_serial`'s policy, switched in C++
+    (the context manager costs more than the call's rest)."""
+    n = len(ids)
+    big = kdecode.kv_bytes(n * start + n * (n + 1) // 2, cache.k, cache.v) >= kdecode.WIDE_KV_BYTES
     wide = serial_outer_threads() or (torch.get_num_threads() if serial else 0)
-    return entry.run_chain(ids, hidden, cache.k, cache.v, positions, tables, kv_indices, chain_table, block_size,
-                           steps, wide, big, serial)
+    return entry.run_chain(ids, hidden, cache.k, cache.v, start, table, block_size, steps, wide, big, serial)
 
 
 def _head(head, embed, lm_head, groups):

@@ -136,3 +136,53 @@ def test_a_step_with_a_prefill_entry_has_no_verify_group():
     assert batch.verify_group is None and batch.token_tables is None
     batch = Batch.build([3, 1], [5, 2], [0, 1], [[0, 1], [2]], 8, modes=["verify", "decode"])
     assert batch.verify_group.entries == [0, 1] and batch.token_tables.tolist() == [[0, 1]] * 3 + [[2, -1]]
+
+
+def test_keep_states_copies_the_kept_rows_in_one_call_like_torch(monkeypatch):
+    """`keep_states` writes each entry's kept row into its slot of every pool through one compiled
+    `copy_rows` call, the same bytes torch's row copies give; rows kept whole or at the pool's own
+    token are not written; a bf16 pool (dtypes differ) goes through torch."""
+    ext = extension()
+    calls = []
+    real = ext.copy_rows
+    monkeypatch.setattr(ext, "copy_rows", lambda *a: calls.append(len(a[0])) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    lens, slots = [3, 1, 4], [2, 0, 1]
+    for dtype in (torch.float32, torch.bfloat16):
+        pools = [torch.randn(4, 2, 3, 5, generator=g).to(dtype), torch.randn(4, 6, 3, generator=g).to(dtype)]
+        states = [torch.randn(8, 2, 3, 5, generator=g), torch.randn(8, 6, 3, generator=g)]
+        runs = {}
+        for backend in ("auto", "torch"):
+            ps = [p.clone() for p in pools]
+            b = verify_batch(lens, [5, 9, 2], slots, [[0], [1], [2]], 16)
+            # the first pool holds each entry's state after its first token, the second after its last
+            b.rollback = [(p, b.verify_group, s, first) for p, s, first in zip(ps, states, (True, False))]
+            calls.clear()
+            with kernels.backend(backend):
+                keep_states(b, {0: 2, 2: 4})
+            assert b.rollback == []
+            assert calls == ([3] if backend == "auto" and dtype == torch.float32 else [])
+            runs[backend] = ps
+        for got, ref in zip(runs["auto"], runs["torch"]):
+            assert torch.equal(got, ref)
+        first, last = runs["auto"]
+        # entry 0 (slot 2) keeps 2 of 3: row 1 in both pools; entry 2 (slot 1, rows 4..7) keeps all 4:
+        # the first-token pool gets row 7, the all-tokens pool stays; entry 1 (slot 0) decoded one token
+        assert torch.equal(first[2], states[0][1].to(dtype)) and torch.equal(last[2], states[1][1].to(dtype))
+        assert torch.equal(first[1], states[0][7].to(dtype)) and torch.equal(last[1], pools[1][1])
+        assert torch.equal(first[0], pools[0][0]) and torch.equal(last[0], pools[1][0])
+
+
+def test_copy_rows_refuses_rows_outside_and_mismatched_rows():
+    ext = extension()
+    dst, src = torch.zeros(3, 4), torch.arange(8.0).view(2, 4)
+    ext.copy_rows([dst], [2], [src], [1])
+    assert torch.equal(dst[2], src[1]) and not dst[:2].any()
+    with pytest.raises(RuntimeError, match="row 3 of 3"):
+        ext.copy_rows([dst], [3], [src], [0])
+    with pytest.raises(RuntimeError, match="rows of 4 and 2"):
+        ext.copy_rows([dst], [0], [torch.zeros(2, 2)], [0])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ext.copy_rows([dst], [0], [src.double()], [0])
+    with pytest.raises(RuntimeError, match="one entry per copy"):
+        ext.copy_rows([dst], [0, 1], [src], [0])

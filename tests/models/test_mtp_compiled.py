@@ -150,9 +150,8 @@ def _rows_then_chain(model, compiled: bool, steps: int = 3):
     ids, h = prompt[12:15], hidden[11:14]
     if compiled:
         entry = decode_blocks.compiled_head(model.mtp, model.embed_tokens, model.lm_head)
-        drafts = decode_blocks.run_chain_head(entry, ids, h, caches[-1], rows.positions, rows.token_tables,
-                                              rows.kv_indices, table, max_len, steps, 14)[0]
-        return drafts, caches[-1].k.clone(), caches[-1].v.clone()
+        drafts = decode_blocks.run_chain_head(entry, ids.tolist(), h, caches[-1], 11, table, max_len, steps)
+        return torch.tensor(drafts), caches[-1].k.clone(), caches[-1].v.clone()
     with decode_blocks.per_op():
         tokens, y = model.mtp.draft(ids, h, rows, caches[-1], model.embed_tokens, model.lm_head)
         out = [tokens[-1:]]

@@ -80,14 +80,10 @@ class MtpDrafter:
             h = hidden[rows[0] : rows[-1] + 1]
         else:
             h = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device))
-        view = len(lens) == 1 and lens[0] <= SHORT and (hb.token_tables is not None or lens[0] == 1)
-        compiled = self._compiled() if view else None
+        compiled = self._compiled() if len(lens) == 1 and lens[0] <= SHORT else None
         if compiled is not None and live[0][1]:  # batch 1 after a decode or verify step: see `propose`
-            r0, r1, n, c = rows[0], rows[-1] + 1, lens[0], starts[0]
-            rt = hb.token_tables[r0:r1] if hb.token_tables is not None else hb.block_tables[entries[0] : entries[0] + 1]
             self.ready.pop(live[0][0], None)
-            self.pending = (live[0][0], compiled, torch.tensor(ids, device=device), h, hb.positions[r0:r1], rt,
-                            hb.kv_indices[r0:r1], n * c + n * (n + 1) // 2)
+            self.pending = (live[0][0], compiled, ids, h, starts[0])  # plain ints: the call makes its rows
             return
         if max(lens) <= SHORT:  # decode and verify steps: each position one query row, sliced from the step
             tokens, y = self._run(ids, h, hb.decode_at(rows))  # drafts of every row
@@ -173,14 +169,13 @@ class MtpDrafter:
     def _settle(self, pending, k: int) -> list[int]:
         """Run the head over the rows observe left `pending` (one sequence: its KV there, draft 1 from the
         last row), then drafts 2..k chained on it where its blocks can grow: one compiled call."""
-        seq, compiled, ids, h, positions, tables, kv_indices, kv_tokens = pending
+        seq, compiled, ids, h, start = pending
         steps = 0
         if k > 1 and self.blocks.can_grow(seq.block_table, seq.num_tokens + k - 2):
             self.blocks.grow(seq.block_table, seq.num_tokens + k - 2)
             steps = k - 1
-        return decode_blocks.run_chain_head(compiled, ids, h, self.cache, positions, tables, kv_indices,
-                                            seq.block_table, self.runner.block_size, steps, kv_tokens,
-                                            self.runner.serial_small_ops)[0].tolist()
+        return decode_blocks.run_chain_head(compiled, ids, h, self.cache, start, seq.block_table,
+                                            self.runner.block_size, steps, self.runner.serial_small_ops)
 
     def _compiled(self):
         """The head's compiled one-token forward (decode_blocks.compiled_head), or None."""

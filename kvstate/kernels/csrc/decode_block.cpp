@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -208,24 +209,39 @@ struct MtpHead {
     return drafts;
   }
 
-  // One entry: `run` over its rows, then `steps` chained drafts from the last row (at the next
-  // positions, in the blocks of chain_table, the entry's block table) -> drafts [1, 1 + steps] int64.
-  // serial: torch on one thread for the call but the GEMVs on `wide` (kernels.threads' policy).
-  Tensor run_chain(const Tensor& ids, const Tensor& hidden, Tensor k_cache, Tensor v_cache, const Tensor& positions,
-                   const Tensor& tables, const Tensor& kv_indices, std::vector<int64_t> chain_table,
-                   int64_t block_size, int64_t steps, int64_t wide, bool kv_wide, bool serial) const {
+  // One entry after a decode or verify step: `run` over its rows, the tokens ids at positions start ..
+  // start + n - 1 (the head's KV rows written there), then `steps` chained drafts from the last row at
+  // the next positions; every row's KV in the blocks of `table` (the entry's block table, grown to
+  // cover the last draft). Plain integers in and out: the positions, KV rows and tables are made here.
+  // -> drafts [1 + steps]. serial: torch on one thread for the call but the GEMVs on `wide`
+  // (kernels.threads' policy).
+  std::vector<int64_t> run_chain(const std::vector<int64_t>& ids, const Tensor& hidden, Tensor k_cache,
+                                 Tensor v_cache, int64_t start, const std::vector<int64_t>& table, int64_t block_size,
+                                 int64_t steps, int64_t wide, bool kv_wide, bool serial) const {
     Threads one(serial ? 1 : 0);
-    const int64_t last = ids.size(0) - 1, from = rows_apart() ? last : 0;  // only the last row's outputs are used
-    auto out = run_from(ids, hidden, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, from);
+    const int64_t n = int64_t(ids.size()), width = int64_t(table.size());
+    TORCH_CHECK(n > 0 && block_size > 0 && steps >= 0, "kvstate MtpHead.run_chain: no rows, or a bad block size");
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    auto rows = at::empty({3, n}, opts);  // ids, positions, KV rows
+    auto tables = at::empty({n, width}, opts);
+    int64_t *id = rows.data_ptr<int64_t>(), *pos = id + n, *kv = pos + n, *tab = tables.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      id[i] = ids[i];
+      pos[i] = start + i;
+      const int64_t b = pos[i] / block_size;
+      TORCH_CHECK(pos[i] >= 0 && b < width, "kvstate MtpHead.run_chain: position ", pos[i], " past the block table");
+      kv[i] = table[b] * block_size + pos[i] % block_size;
+      std::copy(table.begin(), table.end(), tab + i * width);
+    }
+    const int64_t last = n - 1, from = rows_apart() ? last : 0;  // only the last row's outputs are used
+    auto out = run_from(rows[0], hidden, k_cache, v_cache, rows[1], tables, rows[2], wide, kv_wide, from);
     const Tensor first = std::get<0>(out).narrow(0, last - from, 1);  // [1]
-    auto drafts = at::empty({1, 1 + steps}, first.options());
-    int64_t* d = drafts.data_ptr<int64_t>();
-    d[0] = first.data_ptr<int64_t>()[0];
+    std::vector<int64_t> drafts(1 + steps);
+    drafts[0] = first.data_ptr<int64_t>()[0];
     if (steps == 0) return drafts;
-    const int64_t start = positions.contiguous().data_ptr<int64_t>()[last] + 1;  // positions: checked by the block
-    const Tensor chain_tables = at::from_blob(chain_table.data(), {1, int64_t(chain_table.size())}, at::kLong);
-    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &start, chain_tables, block_size,
-               steps, wide, kv_wide, d + 1, 1 + steps);
+    const int64_t next = start + n;
+    chain_into(first, std::get<1>(out).narrow(0, last - from, 1), k_cache, v_cache, &next, tables.narrow(0, 0, 1),
+               block_size, steps, wide, kv_wide, drafts.data() + 1, 1 + steps);
     return drafts;
   }
 
@@ -354,8 +370,8 @@ void register_decode_blocks(pybind11::module_& m) {
            py::arg("start"), py::arg("tables"), py::arg("block_size"), py::arg("steps"), py::arg("wide"),
            py::arg("kv_wide"))
       .def("run_chain", &MtpHead::run_chain, py::arg("ids"), py::arg("hidden"), py::arg("k_cache"),
-           py::arg("v_cache"), py::arg("positions"), py::arg("tables"), py::arg("kv_indices"), py::arg("chain_table"),
-           py::arg("block_size"), py::arg("steps"), py::arg("wide"), py::arg("kv_wide"), py::arg("serial"));
+           py::arg("v_cache"), py::arg("start"), py::arg("table"), py::arg("block_size"), py::arg("steps"),
+           py::arg("wide"), py::arg("kv_wide"), py::arg("serial"));
 }
 
 }  // namespace kvstate

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -118,6 +119,31 @@ std::tuple<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Ten
                                 A_log.data_ptr<float>(), dt_bias.data_ptr<float>(), HV, g.data_ptr<float>() + i * HV,
                                 beta.data_ptr<float>() + i * HV);
   return {g, beta};
+}
+
+// dst[i][dst_rows[i]] = src[i][src_rows[i]] for every i, row by row (a row: everything after the first
+// dimension): a verify step's rollback, where each layer's pools keep the state after the accepted
+// tokens (layers.recurrence.keep_states). One call for every layer and entry, where torch runs an
+// index, an index and a copy per row.
+void copy_rows(const std::vector<Tensor>& dst, const std::vector<int64_t>& dst_rows, const std::vector<Tensor>& src,
+               const std::vector<int64_t>& src_rows) {
+  const size_t n = dst.size();
+  TORCH_CHECK(dst_rows.size() == n && src.size() == n && src_rows.size() == n,
+              "kvstate copy_rows: dst, dst_rows, src and src_rows must have one entry per copy");
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor &d = dst[i], &s = src[i];
+    TORCH_CHECK(d.is_cpu() && s.is_cpu() && d.scalar_type() == s.scalar_type() && d.is_contiguous() &&
+                    s.is_contiguous() && d.dim() >= 1 && s.dim() >= 1,
+                "kvstate copy_rows: contiguous CPU tensors of one dtype");
+    const int64_t row = d.size(0) ? d.numel() / d.size(0) : 0;
+    TORCH_CHECK(s.size(0) && s.numel() / s.size(0) == row, "kvstate copy_rows: rows of ", row, " and ",
+                s.size(0) ? s.numel() / s.size(0) : 0, " elements");
+    TORCH_CHECK(dst_rows[i] >= 0 && dst_rows[i] < d.size(0) && src_rows[i] >= 0 && src_rows[i] < s.size(0),
+                "kvstate copy_rows: row ", dst_rows[i], " of ", d.size(0), " <- row ", src_rows[i], " of ", s.size(0));
+    const size_t bytes = size_t(row) * d.element_size();
+    std::memmove(static_cast<char*>(d.data_ptr()) + dst_rows[i] * bytes,
+                static_cast<const char*>(s.data_ptr()) + src_rows[i] * bytes, bytes);
+  }
 }
 
 Tensor conv_update(const Tensor& x, Tensor pool, const Tensor& slots, const Tensor& w,
@@ -375,6 +401,8 @@ void register_decode_ops(pybind11::module_& m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta)) for [M, D] rows", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0);
   m.def("silu_mul", &silu_mul, "y[M, N] = silu(gate) * up", py::arg("gate"), py::arg("up"));
+  m.def("copy_rows", &copy_rows, "dst[i][dst_rows[i]] = src[i][src_rows[i]] for every i (a row: all after dim 0)",
+        py::arg("dst"), py::arg("dst_rows"), py::arg("src"), py::arg("src_rows"));
   m.def("gated_rms_norm", &gated_rms_norm, "y[..., D] = rmsnorm(x) * w * silu(z)", py::arg("x"), py::arg("gate"),
         py::arg("weight"), py::arg("eps"));
   m.def("gdn_gates", &gdn_gates, "(g, beta)[M, HV]: -exp(A_log) softplus(a + dt_bias), sigmoid(b)", py::arg("a"),

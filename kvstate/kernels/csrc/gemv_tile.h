@@ -1,6 +1,6 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
-// (V, L, zero, fma, load, reduce, wf32, wf32_tail, wi8, wi8_tail, Raw, wbf16, wbf16_tail, even, odd,
+// (V, L, zero, fma, load, reduce, reduce4, wf32, wf32_tail, wi8, wi8_tail, Raw, wbf16, wbf16_tail, even, odd,
 // prefetch, deinterleave, keep) and the register tiles it runs (`Isa::Plan<bf16, row class>`: R, MT,
 // kWregs; int8 weights run fp32's tiles, widened to fp32 as they are loaded).
 // Deliberately no includes: the including file provides <algorithm>, <cstdint> and <type_traits>.
@@ -95,15 +95,17 @@ struct Prefetch {
 // bytes per weight of each kind
 constexpr int64_t elt_bytes(int wk) { return wk == kBf16 ? 2 : wk == kI8 ? 1 : 4; }
 
-// acc (rows of kMaxR vectors, MT of them) += W[R rows, k0:k1] . x[MT rows, k0:k1].
-template <int WK, int R, int MT, bool WREGS>
-void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, Prefetch pf) {
+// acc (rows of kMaxR vectors, MT of them) += W[R rows, k0:k1] . x[MT rows, k0:k1]; FIRST (the first
+// K tile): acc = that product, its old contents unread. Zeroing acc in memory first cost a
+// quarter of a one-row call over short rows (K = 64: the stores, then loads they cannot forward).
+template <int WK, int R, int MT, bool WREGS, bool FIRST>
+void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, const Prefetch& pf) {
   constexpr bool BF16 = WK == kBf16;
   constexpr int S = BF16 ? 2 * Isa::L : Isa::L;  // K elements per step
   constexpr int64_t elt = elt_bytes(WK);
   V acc[MT][R];
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = accp[m * kMaxR + r];
+    for (int r = 0; r < R; ++r) acc[m][r] = FIRST ? Isa::zero() : accp[m * kMaxR + r];
   const int64_t kend = std::min(k1, K);
   const int64_t kfull = k0 + (kend - k0) / S * S;
   const char* wb = static_cast<const char*>(wp);
@@ -135,12 +137,15 @@ void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int
     for (int r = 0; r < R; ++r) accp[m * kMaxR + r] = acc[m][r];
 }
 
-using TileFn = void (*)(const void*, int64_t, const float*, int64_t, int64_t, int64_t, V*, Prefetch);
+// (Prefetch by reference: by value its 4-byte fields were stored and read back as one 8-byte word, a
+// store the load could not forward from: ~20 cycles a call, a third of a one-row call at K = 64.)
+using TileFn = void (*)(const void*, int64_t, const float*, int64_t, int64_t, int64_t, V*, const Prefetch&);
 
-// fn[r - 1][mt - 1]: the r x mt tile, for r <= RB and mt <= MTB (short blocks and passes).
+// fn[first][r - 1][mt - 1]: the r x mt tile, for r <= RB and mt <= MTB (short blocks and passes);
+// first: the K tile at 0.
 template <int WK, int RB, int MTB, bool WREGS>
 struct TileTable {
-  TileFn fn[RB][MTB];
+  TileFn fn[2][RB][MTB];
   TileTable() { fill_rows(std::make_integer_sequence<int, RB>{}); }
   template <int... I>
   void fill_rows(std::integer_sequence<int, I...>) {
@@ -148,7 +153,8 @@ struct TileTable {
   }
   template <int R, int... J>
   void fill_cols(std::integer_sequence<int, J...>) {
-    ((fn[R - 1][J] = &tile<WK, R, J + 1, WREGS>), ...);
+    ((fn[0][R - 1][J] = &tile<WK, R, J + 1, WREGS, false>), ...);
+    ((fn[1][R - 1][J] = &tile<WK, R, J + 1, WREGS, true>), ...);
   }
 };
 
@@ -196,21 +202,26 @@ void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
     for (int64_t mg = 0; mg < a.M; mg += kGroupM) {
       const int gm = int(std::min<int64_t>(kGroupM, a.M - mg));
       const int passes = (gm + MTB - 1) / MTB;
-      for (int i = 0; i < gm * kMaxR; ++i) acc[i] = Isa::zero();
+      if (a.K == 0)  // no K tile sets them (each first tile starts its own from zero)
+        for (int i = 0; i < gm * kMaxR; ++i) acc[i] = Isa::zero();
       for (int64_t k0 = 0; k0 < a.K; k0 += kt) {
         for (int mc = 0, p = 0; mc < gm; mc += MTB, ++p) {
           const int mt = std::min(MTB, gm - mc);
           // The first group's passes share the next tile's lines; a later group finds them cached.
           const Prefetch pf{kt, RB, mg == 0 ? p * steps_per_line : -1, passes * steps_per_line};
-          tiles.fn[r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR, pf);
+          tiles.fn[k0 == 0][r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR, pf);
         }
       }
       for (int m = 0; m < gm; ++m) {
         float* yrow = a.y + (mg + m) * a.N + nb;
-        for (int j = 0; j < r; ++j) {
-          const float sum = Isa::reduce(acc[m * kMaxR + j]);
-          yrow[j] = (WK == kI8 ? sum * a.scale[nb + j] : sum) + (a.bias ? a.bias[nb + j] : 0.f);
+        float sums[kMaxR];
+        if (r == 4) {
+          Isa::reduce4(acc + m * kMaxR, sums);
+        } else {
+          for (int j = 0; j < r; ++j) sums[j] = Isa::reduce(acc[m * kMaxR + j]);
         }
+        for (int j = 0; j < r; ++j)
+          yrow[j] = (WK == kI8 ? sums[j] * a.scale[nb + j] : sums[j]) + (a.bias ? a.bias[nb + j] : 0.f);
       }
     }
   }
