@@ -16,9 +16,9 @@ row runs the same weights, pools and prompts:
   costs); a `--model` without one gets no mtp row. On the copy-heavy prompt where the model has
   a chat template (the shipped models' trained heads), on the random prompt otherwise.
 Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
-N - 1 tokens, best of `--repeats`; each row's plain speed is measured right after it, on the
-same prompt (a shared machine's load drifts between rows). Every speculative run is checked token
-for token against plain greedy decoding ("exact").
+N - 1 tokens, best of `--repeats`; each row's plain speed is measured in turn with it (drafted,
+plain, drafted, plain, ...), on the same prompt: a shared machine's load drifts over seconds.
+Every speculative run is checked token for token against plain greedy decoding ("exact").
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=count_arg, default=None, help="prompt tokens (default 128; quick 32)")
     parser.add_argument("--new-tokens", type=decode_tokens_arg, default=None,
                         help="tokens generated (default 64; quick 16)")
-    parser.add_argument("--repeats", type=count_arg, default=2, help="runs per row; the fastest counts (default 2)")
+    parser.add_argument("--repeats", type=count_arg, default=2,
+                        help="runs per row, drafted and plain in turn; the fastest of each counts (default 2)")
     parser.add_argument("--methods", default="oracle,ngram,draft,mtp", help="which drafters (default: all four)")
     parser.add_argument("--model", default=None, metavar="PATH",
                         help="target checkpoint or shipped model name (default: a random Qwen3.5-style one)")
@@ -150,20 +151,31 @@ def run(args: argparse.Namespace) -> int:
     prompts = {"random": torch.randint(0, vocab, (plen,), generator=g).tolist(),
                "copy-heavy": copy_prompt(llm, plen, new, g)}
 
-    def decode(prompt, make):
-        """(tokens/s, output, proposer) of batch-1 greedy decoding with the proposer `make()` (None: plain)."""
-        best, out, prop = None, None, None
+    def once(prompt, make):
+        """(tokens/s, output, proposer) of one batch-1 greedy decode with the proposer `make()` (None: plain)."""
+        times = []
+        for n in (1, new):
+            core.proposer = prop = make()
+            core.runner.keep_hidden = prop is not None and isinstance(prop.drafter, MtpDrafter)
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+            times.append(time.perf_counter() - t0)
+        return (new - 1) / max(times[1] - times[0], 1e-9), out.token_ids, prop
+
+    def race(prompt, makes):
+        """{name: (fastest tokens/s, output, proposer)} over `repeats` rounds in which each proposer
+        decodes once, in turn: each best comes from the same stretch of time as the others, so a
+        shared machine's load drifting over seconds does not enter their ratio."""
+        best: dict = {}
         for _ in range(args.repeats):
-            times = []
-            for n in (1, new):
-                core.proposer = prop = make()
-                core.runner.keep_hidden = prop is not None and isinstance(prop.drafter, MtpDrafter)
-                t0 = time.perf_counter()
-                out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-                times.append(time.perf_counter() - t0)
-            tps = (new - 1) / max(times[1] - times[0], 1e-9)
-            best = tps if best is None else max(best, tps)
-        return best, out.token_ids, prop
+            for name, make in makes.items():
+                got = once(prompt, make)
+                if name not in best or got[0] > best[name][0]:
+                    best[name] = got
+        return best
+
+    def decode(prompt, make):
+        return race(prompt, {"run": make})["run"]
 
     rows, plain = [], {}
     decode(prompts["random"][:8], lambda: None)  # warm up
@@ -184,10 +196,10 @@ def run(args: argparse.Namespace) -> int:
         for k in ([1, 2, 3] if method == "mtp" else ks):
             cfg = SpeculativeConfig("ngram", k)
             with console.status(f"{method}, k={k}"):
-                tps, tokens, prop = decode(prompts[which], lambda: Proposer(cfg, make_drafter(k), core.max_model_len))
-                # plain again right after, on the same prompt: the ratio is taken between neighbours in
-                # time, so a shared machine's load drifting between rows does not enter it
-                base_tps = decode(prompts[which], lambda: None)[0]
+                # plain in turn with it, on the same prompt (`race`)
+                got = race(prompts[which], {"spec": lambda: Proposer(cfg, make_drafter(k), core.max_model_len),
+                                            "plain": lambda: None})
+                (tps, tokens, prop), base_tps = got["spec"], got["plain"][0]
             st = prop.stats()
             rows.append(dict(method=method, prompt=which, k=k, acceptance=st["spec_acceptance_rate"],
                              tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,

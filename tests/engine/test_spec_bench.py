@@ -50,3 +50,23 @@ def test_bench_spec_bad_ks_is_one_line(capsys, ks):
     assert main(["bench", "spec", "--quick", "--ks", ks]) == 2
     err = capsys.readouterr().err
     assert "--ks" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_spec_times_drafted_and_plain_runs_in_turn(capsys, monkeypatch):
+    """A row's drafted and plain decodes alternate (drafted, plain, drafted, plain): each best comes
+    from the same stretch of time, so load drifting over seconds does not enter their ratio."""
+    from kvstate.llm import LLM
+
+    kinds = []
+    real = LLM.generate
+
+    def generate(self, prompts, params=None, **kw):
+        if params is not None and params.max_tokens == 6:  # the timed run of each pair (1 token, then 6)
+            kinds.append("plain" if self.engine.proposer is None else "spec")
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+                 "--new-tokens", "6", "--repeats", "3", "--json", "--threads", "1"]) == 0
+    json.loads(capsys.readouterr().out)
+    assert kinds[-6:] == ["spec", "plain"] * 3
