@@ -15,8 +15,8 @@ row runs the same weights, pools and prompts:
   `--ks` says. The random target gets a random head (acceptance ~0: the row is what a wrong draft
   costs); a `--model` without one gets no mtp row. On the copy-heavy prompt where the model has
   a chat template (the shipped models' trained heads), on the random prompt otherwise.
-Decode speed is the time of N new tokens minus the time of 1 (prefill and first token), over
-N - 1 tokens, best of `--repeats`; each row's plain speed is measured in turn with it (drafted,
+Decode speed is the fastest time of N new tokens minus the fastest time of 1 (prefill and first
+token) over `--repeats` runs, over N - 1 tokens; each row's plain speed is measured in turn with it (drafted,
 plain, drafted, plain, ...), on the same prompt: a shared machine's load drifts over seconds.
 Every speculative run is checked token for token against plain greedy decoding ("exact").
 """
@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
                "copy-heavy": copy_prompt(llm, plen, new, g)}
 
     def once(prompt, make):
-        """(tokens/s, output, proposer) of one batch-1 greedy decode with the proposer `make()` (None: plain)."""
+        """(seconds of 1 new token, seconds of `new`, output, proposer) of batch-1 greedy decoding with
+        the proposer `make()` (None: plain)."""
         times = []
         for n in (1, new):
             core.proposer = prop = make()
@@ -160,19 +161,23 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
             times.append(time.perf_counter() - t0)
-        return (new - 1) / max(times[1] - times[0], 1e-9), out.token_ids, prop
+        return times[0], times[1], out.token_ids, prop
 
     def race(prompt, makes):
-        """{name: (fastest tokens/s, output, proposer)} over `repeats` rounds in which each proposer
-        decodes once, in turn: each best comes from the same stretch of time as the others, so a
-        shared machine's load drifting over seconds does not enter their ratio."""
-        best: dict = {}
+        """{name: (tokens/s, output, proposer)} over `repeats` rounds in which each proposer decodes
+        once, in turn: each one's fastest times come from the same stretch of time as the others', so
+        a shared machine's load drifting over seconds does not enter their ratio. Tokens/s is
+        (new - 1) / (fastest time of `new` tokens - fastest time of 1): a slow 1-token run alone does
+        not inflate it."""
+        fastest: dict = {}
         for _ in range(args.repeats):
             for name, make in makes.items():
-                got = once(prompt, make)
-                if name not in best or got[0] > best[name][0]:
-                    best[name] = got
-        return best
+                one, full, out, prop = once(prompt, make)
+                if name in fastest:
+                    one, full = min(one, fastest[name][0]), min(full, fastest[name][1])
+                fastest[name] = (one, full, out, prop)
+        return {name: ((new - 1) / max(full - one, 1e-9), out, prop)
+                for name, (one, full, out, prop) in fastest.items()}
 
     def decode(prompt, make):
         return race(prompt, {"run": make})["run"]

@@ -70,3 +70,32 @@ def test_bench_spec_times_drafted_and_plain_runs_in_turn(capsys, monkeypatch):
                  "--new-tokens", "6", "--repeats", "3", "--json", "--threads", "1"]) == 0
     json.loads(capsys.readouterr().out)
     assert kinds[-6:] == ["spec", "plain"] * 3
+
+
+def test_bench_spec_speed_is_fastest_full_run_minus_fastest_first_token(capsys, monkeypatch):
+    """Tokens/s is (N - 1) / (fastest N-token run - fastest 1-token run) over the repeats: a 1-token
+    run slowed by the machine does not make its own pair look fast. On a scripted clock (each
+    decoder's 1-token runs take 3 s once and 1 s once, 6-token runs 5 s) every row is 5 / (5 - 1)
+    tokens/s; pairing each 1-token run with its own 6-token run gave 5 / (5 - 3)."""
+    import kvstate.bench.spec as spec
+    from kvstate.llm import LLM
+
+    clock = [0.0]
+    # 1-token runs in call order: warm-up x 2, plain random x 2, plain copy-heavy x 2, then the row's
+    # drafted, plain, drafted, plain
+    firsts = iter([3.0, 1.0, 3.0, 1.0, 3.0, 1.0, 3.0, 3.0, 1.0, 1.0])
+    real = LLM.generate
+
+    def generate(self, prompts, params=None, **kw):
+        out = real(self, prompts, params, **kw)
+        clock[0] += next(firsts) if params.max_tokens == 1 else 5.0
+        return out
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    monkeypatch.setattr(spec, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+                 "--new-tokens", "6", "--repeats", "2", "--json", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plain_tokens_per_s"] == {"random": 1.25, "copy-heavy": 1.25}
+    row = out["rows"][0]
+    assert row["tokens_per_s"] == row["plain_tokens_per_s"] == 1.25 and row["speedup"] == 1.0
