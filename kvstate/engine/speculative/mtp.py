@@ -60,7 +60,7 @@ class MtpDrafter:
             self.pending = None
         hidden, hb = self.runner.hidden, self.runner.hidden_batch
         offsets = hb.token_offsets
-        rows, ids, lens, starts, slots, tables, live, entries = [], [], [], [], [], [], [], []
+        rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
         for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
             end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
             if seq.status is not SequenceStatus.RUNNING or end <= c:
@@ -72,7 +72,6 @@ class MtpDrafter:
             slots.append(seq.state_slot)
             tables.append(seq.block_table)
             live.append((seq, end == seq.num_tokens - 1))
-            entries.append(i)
         if not live:
             return
         device = self.device
