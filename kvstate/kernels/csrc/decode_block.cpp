@@ -12,7 +12,6 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
 #include <vector>
 
@@ -174,22 +173,6 @@ struct AttnBlock {
   }
 };
 
-// logits [T, V] fp32 contiguous -> the index of each row's first maximum [T] int64 (torch's argmax, NaN
-// counted as the maximum), in a loop: the ATen call cost ~4 us a draft, several times the loop
-Tensor argmax_rows(const Tensor& logits) {
-  const int64_t T = logits.size(0), V = logits.size(1);
-  auto out = at::empty({T}, logits.options().dtype(at::kLong));
-  const float* l = logits.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t, l += V) {
-    int64_t best = 0;
-    for (int64_t j = 1; j < V && !std::isnan(l[best]); ++j)
-      if (l[j] > l[best] || std::isnan(l[j])) best = j;
-    o[t] = best;
-  }
-  return out;
-}
-
 // The MTP head's forward over the rows of a decode-only step (docs/mtp.md), one call where the
 // per-op path (models/mtp.py) runs ~15: the token's embedding row and the hidden state each through
 // their pre-fc RMSNorm, fc over [e ; g], the head's attention block, mtp.norm, the shared LM head,
@@ -272,7 +255,7 @@ struct MtpHead {
         block.run_from(x, c10::nullopt, k_cache, v_cache, positions, tables, kv_indices, wide, kv_wide, first);
     const Tensor y = std::get<1>(kvstate::op::add_rms_norm(sum, delta, norm.w, norm.eps, norm.offset));
     const Tensor logits = gemv(y, lm_head, wide);  // [T - first, V]
-    return {argmax_rows(logits), y, logits};
+    return {logits.argmax(1), y, logits};
   }
 
   // The GEMVs after the attention give each row what they give it alone: fp32 weights (AMX, which

@@ -40,13 +40,6 @@ struct Isa {
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
   }
-  // out[0:4] = reduce(v[0]) .. reduce(v[3]), the same sums in the same order, in a third of the
-  // instructions (one hadd tree for the four)
-  static void reduce4(const V* v, float* out) {
-    __m128 s[4];
-    for (int i = 0; i < 4; ++i) s[i] = _mm_add_ps(_mm256_castps256_ps128(v[i]), _mm256_extractf128_ps(v[i], 1));
-    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(s[0], s[1]), _mm_hadd_ps(s[2], s[3])));
-  }
   static V wf32(const float* p) { return _mm256_loadu_ps(p); }
   // AVX2 has no 16-bit masked load: the (once per row and tile) tail goes through a zeroed buffer.
   static V wf32_tail(const float* p, int rem) {

@@ -37,9 +37,6 @@ struct Isa {
   // load into each FMA (R loads instead of one: the 3 x 8 tile then runs out of load slots).
   static void keep(V& v) { __asm__("" : "+v"(v)); }
   static float reduce(V v) { return _mm512_reduce_add_ps(v); }
-  static void reduce4(const V* v, float* out) {
-    for (int i = 0; i < 4; ++i) out[i] = reduce(v[i]);
-  }
   static V wf32(const float* p) { return _mm512_loadu_ps(p); }
   static V wf32_tail(const float* p, int rem) { return _mm512_maskz_loadu_ps(__mmask16((1u << rem) - 1), p); }
   // 16 int8 weights, sign-extended and converted: exact (|q| <= 127)

@@ -1,6 +1,6 @@
 // The ISA-generic body of the skinny GEMM, included once per ISA inside its namespace and
 // `#pragma GCC target` region, after a `struct Isa` that supplies the vector type and primitives
-// (V, L, zero, fma, load, reduce, reduce4, wf32, wf32_tail, wi8, wi8_tail, Raw, wbf16, wbf16_tail, even, odd,
+// (V, L, zero, fma, load, reduce, wf32, wf32_tail, wi8, wi8_tail, Raw, wbf16, wbf16_tail, even, odd,
 // prefetch, deinterleave, keep) and the register tiles it runs (`Isa::Plan<bf16, row class>`: R, MT,
 // kWregs; int8 weights run fp32's tiles, widened to fp32 as they are loaded).
 // Deliberately no includes: the including file provides <algorithm>, <cstdint> and <type_traits>.
@@ -99,7 +99,8 @@ constexpr int64_t elt_bytes(int wk) { return wk == kBf16 ? 2 : wk == kI8 ? 1 : 4
 // K tile): acc = that product, its old contents unread. Zeroing acc in memory first cost a
 // quarter of a one-row call over short rows (K = 64: the stores, then loads they cannot forward).
 template <int WK, int R, int MT, bool WREGS, bool FIRST>
-void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp, const Prefetch& pf) {
+void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int64_t k1, V* accp,
+          const Prefetch& pf) {
   constexpr bool BF16 = WK == kBf16;
   constexpr int S = BF16 ? 2 * Isa::L : Isa::L;  // K elements per step
   constexpr int64_t elt = elt_bytes(WK);
@@ -209,19 +210,16 @@ void rows_with(const GemvArgs& a, int64_t n0, int64_t n1) {
           const int mt = std::min(MTB, gm - mc);
           // The first group's passes share the next tile's lines; a later group finds them cached.
           const Prefetch pf{kt, RB, mg == 0 ? p * steps_per_line : -1, passes * steps_per_line};
-          tiles.fn[k0 == 0][r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR, pf);
+          tiles.fn[k0 == 0][r - 1][mt - 1](wblock, a.K, a.x + (mg + mc) * a.Kp, a.Kp, k0, k0 + kt, acc + mc * kMaxR,
+                                           pf);
         }
       }
       for (int m = 0; m < gm; ++m) {
         float* yrow = a.y + (mg + m) * a.N + nb;
-        float sums[kMaxR];
-        if (r == 4) {
-          Isa::reduce4(acc + m * kMaxR, sums);
-        } else {
-          for (int j = 0; j < r; ++j) sums[j] = Isa::reduce(acc[m * kMaxR + j]);
+        for (int j = 0; j < r; ++j) {
+          const float sum = Isa::reduce(acc[m * kMaxR + j]);
+          yrow[j] = (WK == kI8 ? sum * a.scale[nb + j] : sum) + (a.bias ? a.bias[nb + j] : 0.f);
         }
-        for (int j = 0; j < r; ++j)
-          yrow[j] = (WK == kI8 ? sums[j] * a.scale[nb + j] : sums[j]) + (a.bias ? a.bias[nb + j] : 0.f);
       }
     }
   }
