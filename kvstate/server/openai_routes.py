@@ -25,6 +25,7 @@ from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
 
 router = APIRouter()
+CHAT_HINTS = 4  # snapshot hints at the last few message ends only: each costs a render of the whole chat
 
 
 @router.get("/health")
@@ -101,7 +102,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         ids = tokenizer.encode(text, add_special_tokens=False)
         hints = {}
         if loop.core.scheduler.prefix is not None:  # the state is kept where each message ends (as LLM.chat)
-            ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt)
+            ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt,
+                                          last=CHAT_HINTS)
             hints = dict.fromkeys(ends, "chat")
         hints.update(_cache_prefix(loop, body, ids))
         return ids, hints
@@ -126,13 +128,14 @@ def _check_model(loop, body) -> None:
 
 def _check_fanout(request: Request, num_prompts: int, n: int) -> None:
     """prompts x n within the server's --max-sequences-per-request, before any prompt is read."""
-    most = request.app.state.limits.max_sequences
+    most, flag = request.app.state.limits.max_sequences, "(kvstate serve --max-sequences-per-request, " \
+        "at most half of --max-num-seqs)"
     if num_prompts > most:
-        raise ApiError(f"{num_prompts} prompts in one request; this server takes at most {most} "
-                       f"(kvstate serve --max-sequences-per-request)", param="prompt")
+        raise ApiError(f"{num_prompts} prompts in one request; this server takes at most {most} {flag}",
+                       param="prompt")
     if num_prompts * n > most:
         raise ApiError(f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; this server takes at most "
-                       f"{most} per request (kvstate serve --max-sequences-per-request)", param="n")
+                       f"{most} per request {flag}", param="n")
 
 
 def _check_text(text: str, most: int, param: str) -> None:

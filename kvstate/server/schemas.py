@@ -14,12 +14,13 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstate.engine.params import SamplingParams
+from kvstate.engine.params import FLOAT32_TINY, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstate.errors import KvstateError
 from kvstate.server.protocol import ApiError
 
 MAX_N = 16  # samples per prompt
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_MESSAGES = 1024  # chat turns: each costs template work (and a snapshot hint) however short
 SEED = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator.manual_seed's range (seed + k for n samples)
 
 TokenIds = list[int]
@@ -36,7 +37,7 @@ class _Sampling(BaseModel):
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); omitted: that model")
     temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1)  # below: 0 in float32, every token masked
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,9 +50,9 @@ class _Sampling(BaseModel):
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
@@ -118,7 +119,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

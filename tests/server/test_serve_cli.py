@@ -79,7 +79,7 @@ def test_serve_process_answers_and_stops(checkpoint):
             for _ in range(3):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         metrics = httpx.get(url[0] + "/metrics", timeout=10).text
-        hits = re.search(r"^kvstate_prefix_hits (\S+)$", metrics, re.M)
+        hits = re.search(r"^kvstate_prefix_hits_total (\S+)$", metrics, re.M)
         assert hits and float(hits[1]) >= 1, metrics
     finally:
         proc.terminate()
