@@ -79,7 +79,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
     parser.add_argument("--bench-json", default=None, metavar="FILE",
                         help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
-                             "timeline at real scale (the page can also run the bench or take an upload)")
+                             "timeline at real scale (the page can also take an upload)")
+    parser.add_argument("--explorer-bench-run", action="store_true",
+                        help="let the explorer page start `kvstate bench engine` (a subprocess of several GB, "
+                             "one at a time); off: it takes an uploaded result only")
     limits = parser.add_argument_group("limits and access (what one client may ask)")
     limits.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1, the explorer's API and /metrics (401 "
@@ -215,6 +218,7 @@ def _app(args: argparse.Namespace, model):
     app = create_app(llm, model_name=name, routers=routers, limits=limits, api_key=api_key,
                      metrics_key=metrics_key or None)
     app.state.explorer_bench = bench
+    app.state.explorer_bench_runs = args.explorer_bench_run
     return app
 
 

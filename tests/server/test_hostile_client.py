@@ -135,7 +135,7 @@ def _span(request):
 
 def _metrics(url: str) -> dict:
     values = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
@@ -158,17 +158,17 @@ def _assert_error(resp, status: int, param):
     assert error["type"] and error["param"] == param, error
 
 
-def test_the_key_is_needed_but_health_metrics_and_the_page_stay_open(server):
+def test_the_key_is_needed_but_health_and_the_page_stay_open(server):
     url, *_ = server
     for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/explorer/api/models"),
-                         ("POST", MEMORY)):
+                         ("POST", MEMORY), ("GET", "/metrics")):
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
             with httpx.Client(event_hooks={"response": [_count]}) as bare:
                 resp = bare.request(method, url + path, json={}, headers=headers)
             assert resp.status_code == 401, (method, path, headers)
             assert resp.json()["error"]["code"] == "invalid_api_key"
     with httpx.Client(event_hooks={"response": [_count]}) as bare:
-        for path in ("/health", "/metrics", "/"):
+        for path in ("/health", "/"):
             assert bare.get(url + path).status_code == 200, path
 
 
