@@ -222,7 +222,7 @@ async def _unless_disconnected(request: Request, work):
 
 def _raise_if_failed(out) -> None:
     output = getattr(out, "output", out)
-    if output is None or output.finish_reason != "error":
+    if output is None or (output.finish_reason != "error" and not output.error):  # error: ended by the server
         return
     message = output.error or "the request failed"
     if message.startswith("engine step failed"):
@@ -330,7 +330,8 @@ class _Reply:
         while item is not None:
             choice, out = item
             self.take(choice, out)
-            if out.finished and out.output.finish_reason == "error":
+            if out.finished and (out.output.finish_reason == "error" or out.output.error):  # failed, or ended
+                # by the server (a shutdown, a client that stopped reading): the stream says why
                 yield P.sse(P.error_body(out.output.error or "the request failed"))
             elif out.text or out.finished or (out.logprobs and self.params.logprobs is not None):
                 reason = P.finish_reason(out.output.finish_reason) if out.finished else None

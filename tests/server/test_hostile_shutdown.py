@@ -1,0 +1,114 @@
+"""Issue #41's shutdown and idle connections against a real `kvstate serve` process (the shipped
+hybrid, loopback only): a socket that never finishes its request head, or stops halfway through a
+body, is closed after --timeout-idle; SIGTERM with 16 streams open, a half-sent body and a client
+that stopped reading ends the process within 5 s, every stream told why (an event naming the
+shutdown, then [DONE]) or cut."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.xdist_group("hostile_shutdown")
+STREAM = b'{"prompt": "The phone book", "max_tokens": 1500, "ignore_eos": true, "stream": true}'
+
+
+def _serve(*flags):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", "--max-model-len", "2048",
+                             "--cache-memory", "64MiB", *flags], stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stderr.readline()
+    url = re.search(r"http://127\.0\.0\.1:\d+", line)
+    assert url, line
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+    url = url[0]
+    for _ in range(400):
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    host, port = url.removeprefix("http://").split(":")
+    return proc, (host, int(port))
+
+
+def _post(addr, body: bytes, *, send: bytes | None = None, rcvbuf: int | None = None) -> socket.socket:
+    """A raw POST /v1/completions; `send`: only these bytes of the body (a client that stalls)."""
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(addr)
+    sock.settimeout(15)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {addr[0]}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + (body if send is None else send))
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` (EOF or reset) within `seconds`, reading whatever comes first."""
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(65536):
+                return True
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            return True
+    return False
+
+
+def test_stalled_requests_are_closed_and_sigterm_ends_16_streams_in_5_s():
+    proc, addr = _serve("--timeout-idle", "1.5", "--timeout-graceful-shutdown", "3")
+    try:
+        silent = socket.create_connection(addr)  # connects, sends nothing
+        half_head = socket.create_connection(addr)
+        half_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        stalled = _post(addr, STREAM, send=STREAM[:20])
+        for sock in (silent, half_head, stalled):
+            assert _closed_within(sock, 6), "a stalled connection stayed open past --timeout-idle"
+            sock.close()
+
+        streams = [_post(addr, STREAM) for _ in range(16)]
+        for sock in streams:
+            assert b"200 OK" in sock.recv(65536)  # each has started (head and first events)
+        deaf = _post(addr, STREAM, rcvbuf=4096)  # never read again
+        half_body = _post(addr, STREAM, send=STREAM[:30])  # the body stops halfway, until SIGTERM
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        tails = [b""] * len(streams)
+
+        def read_rest(i):
+            try:
+                while chunk := streams[i].recv(65536):
+                    tails[i] = (tails[i] + chunk)[-4096:]
+            except OSError:
+                pass
+
+        readers = [threading.Thread(target=read_rest, args=(i,), daemon=True) for i in range(len(streams))]
+        for t in readers:
+            t.start()
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - start
+        for t in readers:
+            t.join(5)
+        print(f"\nSIGTERM with 16 streams, an unread stream and a half-sent body: exit {rc} after {took:.2f} s")
+        assert took <= 5.0
+        told = sum(b"shutting down" in tail and b"[DONE]" in tail for tail in tails)
+        assert told == len(streams), [tail[-200:] for tail in tails]
+        for sock in (*streams, deaf, half_body):
+            sock.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
