@@ -8,7 +8,6 @@ server's RSS grows by less than 300 MB. The module's last test prints the suite'
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from kvstate.shipped import DEFAULT_MODEL  # noqa: E402
+from tests.live_server import start_serve  # noqa: E402
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME  # noqa: E402
 from tests.server.test_bad_requests import BAD  # noqa: E402
 
@@ -108,21 +108,9 @@ def _count(response):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVSTATE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", "--max-model-len",
-                             str(MAX_MODEL_LEN), "--cache-memory", "32MiB", "--served-model-name", MODEL_NAME,
-                             "--enable-prefix-caching"], stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = start_serve("--max-model-len", str(MAX_MODEL_LEN), "--cache-memory", "32MiB", "--served-model-name",
+                            MODEL_NAME, "--enable-prefix-caching", env={"KVSTATE_API_KEY": KEY})
     try:
-        line = proc.stderr.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert url, line
-        url = url[0]
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
         with httpx.Client(base_url=url, headers=AUTH, timeout=60, event_hooks={"response": [_count]}) as client:
             client.post(C, json={"prompt": "warm up", "max_tokens": 2})  # first-request costs out of the RSS figure
             FIGURES["rss_before"] = _rss_mb(proc.pid)

@@ -4,16 +4,14 @@ body, is closed after --timeout-idle; SIGTERM with 16 streams open, a half-sent 
 that stopped reading ends the process within 5 s, every stream told why (an event naming the
 shutdown, then [DONE]) or cut."""
 
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
+
+from tests.live_server import start_serve
 
 httpx = pytest.importorskip("httpx")
 
@@ -22,20 +20,7 @@ STREAM = b'{"prompt": "The phone book", "max_tokens": 1500, "ignore_eos": true, 
 
 
 def _serve(*flags):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", "--max-model-len", "2048",
-                             "--cache-memory", "64MiB", *flags], stderr=subprocess.PIPE, text=True, env=env)
-    line = proc.stderr.readline()
-    url = re.search(r"http://127\.0\.0\.1:\d+", line)
-    assert url, line
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-    url = url[0]
-    for _ in range(400):
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    proc, url = start_serve("--max-model-len", "2048", "--cache-memory", "64MiB", *flags)
     host, port = url.removeprefix("http://").split(":")
     return proc, (host, int(port))
 
