@@ -52,7 +52,8 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[int] | None = None  # at most MAX_STOP_TOKEN_IDS (checked in sampling_params: as a
+    # schema bound, schemathesis would build lists past it to test it, at great cost)
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
@@ -64,6 +65,9 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and len(stop) > 4:
             raise ApiError(f"stop takes at most 4 strings, got {len(stop)}", param="stop")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ApiError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+                           param="stop_token_ids")
         fields = dict(temperature=1.0 if self.temperature is None else self.temperature,
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=[s for s in stop or [] if s] or None,
@@ -119,7 +123,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(..., min_length=1)  # at most MAX_MESSAGES (the route checks it)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
