@@ -7,7 +7,9 @@ templates too: the event loop keeps answering /health), turns it into engine req
 prompt and sample, sample k seeded seed + k as vLLM), hands them to the engine loop, and answers
 with the whole result or a stream of server-sent events. A request the engine itself rejects
 fails before any byte is sent, so it too is a 400. Leaving a stream early aborts its engine
-requests. Generated tokens are counted by the engine loop (aborted requests' too).
+requests; a stream the server ends (a shutdown, a client that stopped reading) ends with an error
+event saying why. Generated tokens are counted by the engine loop (aborted requests' too). A chat's
+snapshot hints are its last CHAT_HINTS message ends (each costs a render of the whole chat).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvstate.errors import KvstateError
 from kvstate.llm import cache_prefix_points
 from kvstate.server import protocol as P
 from kvstate.server.protocol import ApiError
-from kvstate.server.schemas import MAX_MESSAGES, ChatCompletionRequest, CompletionRequest, lone_surrogate
+from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
 
 router = APIRouter()
 CHAT_HINTS = 4  # snapshot hints at the last few message ends only: each costs a render of the whole chat
@@ -83,8 +85,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs needs logprobs set to true", param="top_logprobs")
     _check_fanout(request, 1, body.n)
-    if len(body.messages) > MAX_MESSAGES:  # before any per-message work
-        raise ApiError(f"{len(body.messages)} messages; this server takes at most {MAX_MESSAGES}", param="messages")
     for i, m in enumerate(body.messages):
         if m.tool_calls or m.function_call:
             raise ApiError(f"messages[{i}]: tool and function calls are not supported", param="messages")

@@ -10,9 +10,9 @@ the schema, so the OpenAPI document states them and a bad value is a 400 before 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvstate.engine.params import FLOAT32_TINY, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstate.errors import KvstateError
@@ -24,6 +24,17 @@ MAX_MESSAGES = 1024  # chat turns: each costs template work (and a snapshot hint
 SEED = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator.manual_seed's range (seed + k for n samples)
 
 TokenIds = list[int]
+
+
+def _at_most(most: int) -> BeforeValidator:
+    """A list's length bound checked before its items are (pydantic's max_length validates all 270k
+    chat messages first, on the event loop); kept out of the OpenAPI schema, where schemathesis would
+    build lists past it to test it."""
+    def check(value):
+        if isinstance(value, list) and len(value) > most:
+            raise ValueError(f"takes at most {most} items, got {len(value)}")
+        return value
+    return BeforeValidator(check)
 
 
 class StreamOptions(BaseModel):
@@ -52,8 +63,7 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None  # at most MAX_STOP_TOKEN_IDS (checked in sampling_params: as a
-    # schema bound, schemathesis would build lists past it to test it, at great cost)
+    stop_token_ids: Annotated[list[int] | None, _at_most(MAX_STOP_TOKEN_IDS)] = None
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
@@ -65,9 +75,6 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and len(stop) > 4:
             raise ApiError(f"stop takes at most 4 strings, got {len(stop)}", param="stop")
-        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ApiError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
-                           param="stop_token_ids")
         fields = dict(temperature=1.0 if self.temperature is None else self.temperature,
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=[s for s in stop or [] if s] or None,
@@ -123,7 +130,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)  # at most MAX_MESSAGES (the route checks it)
+    messages: Annotated[list[ChatMessage], _at_most(MAX_MESSAGES)] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
