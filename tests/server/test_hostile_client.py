@@ -227,18 +227,20 @@ TABLE = [  # (name, method, path, json body or raw bytes, status, param)
     # issue #41
     ("3M stop_token_ids", "POST", C, {"prompt": ["Hi"] * 16, "stop_token_ids": [0] * 3_000_000}, 400,
      "stop_token_ids"),
-    ("32 prompts x 4000 tokens", "POST", C, {"prompt": ["Hi"] * 32, "max_tokens": 4000, "ignore_eos": True}, 400,
-     "prompt"),
-    ("6000 chat turns", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}] * 6000}, 400, "messages"),
+    ("32 prompts x 200 tokens", "POST", C, {"prompt": ["Hi"] * 32, "max_tokens": 200, "ignore_eos": True}, 400,
+     "prompt"),  # more than half of --max-num-seqs (32)
+    ("1500 chat turns", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}] * 1500}, 400, "messages"),
     ("270k empty messages", "POST", CHAT, {"messages": [{"role": "user", "content": ""}] * 270_000}, 400,
      "messages"),
     ("top_p 1e-46", "POST", C, {"prompt": "hi", "top_p": 1e-46}, 400, "top_p"),
     ("repetition_penalty 1e-46", "POST", C, {"prompt": "hi", "repetition_penalty": 1e-46}, 400,
      "repetition_penalty"),
     ("bench figure NaN", "POST", SCALE, b'{"bench": {"rows": [{"impl": "kvstate", "phase": "prefill", '
-     b'"tokens_per_s": NaN, "ms_per_step": 1}]}}', 400, None),
-    ("bench figure 1e-400", "POST", SCALE, b'{"bench": {"rows": [{"impl": "kvstate", "phase": "prefill", '
-     b'"tokens_per_s": 1e-400, "ms_per_step": 1}]}}', 400, None),
+     b'"tokens_per_s": NaN, "ms_per_step": 1}, {"impl": "kvstate", "phase": "decode", "batch": 1, '
+     b'"tokens_per_s": 10, "ms_per_step": 1}]}}', 400, None),
+    ("bench figure Infinity", "POST", SCALE, b'{"bench": {"rows": [{"impl": "kvstate", "phase": "prefill", '
+     b'"tokens_per_s": 10, "ms_per_step": 1}, {"impl": "kvstate", "phase": "decode", "batch": 1, '
+     b'"tokens_per_s": 10, "ms_per_step": Infinity}]}}', 400, None),
     ("bench machine 3", "POST", SCALE, {"bench": {"machine": 3, "rows": [
         {"impl": "kvstate", "phase": "prefill", "tokens_per_s": 10, "ms_per_step": 1},
         {"impl": "kvstate", "phase": "decode", "batch": 1, "tokens_per_s": 10, "ms_per_step": 1}]}}, 400, None),
