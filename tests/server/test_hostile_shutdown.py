@@ -2,7 +2,8 @@
 hybrid, loopback only): a socket that never finishes its request head, or stops halfway through a
 body, is closed after --timeout-idle; SIGTERM with 16 streams open, a half-sent body and a client
 that stopped reading ends the process within 5 s, every stream told why (an event naming the
-shutdown, then [DONE]) or cut."""
+shutdown, then [DONE]) or cut; a client that stops reading an n=4 x 4000-token stream is aborted long
+before its tokens are all generated."""
 
 import signal
 import socket
@@ -97,3 +98,36 @@ def test_stalled_requests_are_closed_and_sigterm_ends_16_streams_in_5_s():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_client_that_stops_reading_is_aborted_before_its_stream_is_all_generated():
+    proc, addr = _serve("--max-model-len", "4096", "--cache-memory", "256MiB")  # the last of a flag wins
+    url = f"http://{addr[0]}:{addr[1]}"
+    try:
+        body = (b'{"prompt": "The phone book", "max_tokens": 4000, "ignore_eos": true, "stream": true, "n": 4, '
+                b'"logprobs": 5}')
+        deaf = _post(addr, body, rcvbuf=4096)  # reads nothing: its socket fills, then the backlog
+        metrics = {}
+        assert _until_idle(url, metrics, 120), metrics
+        print(f"\nan unread n=4 x 4000-token stream with logprobs: {metrics['kvstate_generation_tokens_total']:.0f} "
+              f"of {4 * 4000} tokens generated, then aborted")
+        assert metrics["kvstate_generation_tokens_total"] < 0.75 * 4 * 4000  # (the socket buffers take ~1,500 each)
+        deaf.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _until_idle(url: str, metrics: dict, seconds: float) -> bool:
+    """Wait (fill `metrics`) until the engine has started and then runs nothing."""
+    deadline, started = time.monotonic() + seconds, False
+    while time.monotonic() < deadline:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                metrics[name] = float(value)
+        started = started or metrics.get("kvstate_num_running", 0) > 0
+        if started and metrics["kvstate_num_running"] == 0 and metrics["kvstate_num_waiting"] == 0:
+            return True
+        time.sleep(0.2)
+    return False
