@@ -1,10 +1,14 @@
 """A live app on loopback for the server, explorer and browser tests: a tiny random Qwen3.5
 checkpoint with a tiny trained BPE tokenizer (as the engine tests use), served by uvicorn in a
-daemon thread on a free port."""
+daemon thread on a free port; or a `kvstate serve` process (`start_serve`)."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -56,3 +60,26 @@ def wait_idle(loop, timeout: float = 30.0) -> dict:
         if not (stats["num_running"] or stats["num_waiting"] or stats["num_pending"]) or time.monotonic() > deadline:
             return stats
         time.sleep(0.02)
+
+
+def start_serve(*flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`kvstate serve --port 0 FLAGS` (the shipped model, loopback) once /health answers: (process, URL);
+    its stderr is drained by a thread after the URL line."""
+    import httpx
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", *flags],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stderr.readline()
+    url = re.search(r"http://127\.0\.0\.1:\d+", line)
+    if not url:
+        proc.kill()
+    assert url, line
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    for _ in range(400):
+        try:
+            if httpx.get(url[0] + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return proc, url[0]

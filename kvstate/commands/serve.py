@@ -3,7 +3,9 @@ server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) an
 explorer at `/`, over one engine stepped by one background loop.
 
 Loopback by default; exposing it is an explicit --host, best with --api-key (or KVSTATE_API_KEY):
-then /v1 and the explorer's API need `Authorization: Bearer KEY` (/health and /metrics stay open).
+then /v1, the explorer's API and /metrics need `Authorization: Bearer KEY` (/metrics: --metrics-key
+if given; /health stays open). Stalled request heads and bodies are closed (--timeout-idle); SIGTERM
+ends running requests at once (--timeout-graceful-shutdown; kvstate.server.http_timeouts).
 What one request may ask is bounded (--max-body-bytes, --max-prompt-chars,
 --max-sequences-per-request; see kvstate.server.limits). The port is bound before the model
 loads, so a busy port is one line at once; --port 0 takes any free port (the URL line on stderr
@@ -21,7 +23,8 @@ from pathlib import Path
 from kvstate.terminal.arg_types import count_arg, seed_arg
 from kvstate.terminal.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
 from kvstate.errors import KvstateError
-from kvstate.server.limits import CHARS_PER_TOKEN, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES
+from kvstate.server.limits import (CHARS_PER_TOKEN, DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_IDLE_TIMEOUT,
+                                   DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES)
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
 
@@ -33,6 +36,16 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0 (any free port) to 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < 86400:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and less than a day, got {text}")
     return value
 
 
@@ -66,11 +79,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_weight_dtype(parser)  # --weight-dtype, as generate takes it
     parser.add_argument("--bench-json", default=None, metavar="FILE",
                         help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
-                             "timeline at real scale (the page can also run the bench or take an upload)")
+                             "timeline at real scale (the page can also take an upload)")
+    parser.add_argument("--explorer-bench-run", action="store_true",
+                        help="let the explorer page start `kvstate bench engine` (a subprocess of several GB, "
+                             "one at a time); off: it takes an uploaded result only")
     limits = parser.add_argument_group("limits and access (what one client may ask)")
     limits.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 and the explorer's API (401 without it; "
-                             "/health and /metrics stay open; the explorer page takes it as ?key=KEY) "
+                        help="require 'Authorization: Bearer KEY' on /v1, the explorer's API and /metrics (401 "
+                             "without it; /metrics: --metrics-key if given; /health stays open; the explorer page "
+                             "takes it as ?key=KEY) "
                              "(default: $KVSTATE_API_KEY, else none)")
     limits.add_argument("--max-body-bytes", type=count_arg, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help=f"largest request body; larger is a 413 before it is read "
@@ -81,8 +98,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"tokenizing (default: {CHARS_PER_TOKEN} x --max-model-len)")
     limits.add_argument("--max-sequences-per-request", type=count_arg, default=DEFAULT_MAX_SEQUENCES, metavar="N",
                         help=f"most prompts x n in one request (each is one engine request; requests are "
-                             f"admitted in turn, so a large one cannot starve the others) "
+                             f"admitted in turn, so a large one cannot starve the others); at most half of "
+                             f"--max-num-seqs, so that one request never takes every running place "
                              f"(default: {DEFAULT_MAX_SEQUENCES})")
+    limits.add_argument("--metrics-key", default=None, metavar="KEY",
+                        help="the key /metrics needs as 'Authorization: Bearer KEY' (a scraper's own) "
+                             "(default: $KVSTATE_METRICS_KEY, else the --api-key; with neither, /metrics is open)")
+    limits.add_argument("--timeout-idle", type=_seconds, default=DEFAULT_IDLE_TIMEOUT, metavar="S",
+                        help=f"close a connection whose request head or body stalls this long "
+                             f"(default: {DEFAULT_IDLE_TIMEOUT:g})")
+    limits.add_argument("--timeout-graceful-shutdown", type=_seconds, default=DEFAULT_GRACEFUL_SHUTDOWN,
+                        metavar="S", help=f"on SIGTERM, running requests are ended at once (a stream gets an "
+                                          f"error event); whatever still hangs is cancelled after this long "
+                                          f"(default: {DEFAULT_GRACEFUL_SHUTDOWN:g})")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default: warning)")
 
@@ -113,11 +141,24 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_fd_limit() -> None:
+    """Let the process open as many sockets as the system allows (the soft limit is often 1024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 16, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: keep the limit
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
         from kvstate.server.app import create_app  # noqa: F401 - only whether the serve extra is installed
+        from kvstate.server.http_timeouts import ServeServer, protocol_with
     except ImportError as exc:
         raise KvstateError(f"kvstate serve needs the serve extra ({exc.name} is missing): "
                            f"pip install 'kvstate[serve]'") from None
@@ -132,8 +173,10 @@ def run(args: argparse.Namespace) -> int:
         shown = f"[{host}]" if ":" in host else host
         print(f"kvstate serve: {app.state.engine_loop.model_name} on http://{shown}:{port} "
               f"(OpenAI API /v1, explorer /, metrics /metrics)", file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, lifespan="on"))
-        server.run(sockets=[sock])
+        raise_fd_limit()
+        config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=protocol_with(args.timeout_idle),
+                                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+        ServeServer(config, app.state.engine_loop).run(sockets=[sock])
     finally:
         sock.close()
     return 0
@@ -171,8 +214,11 @@ def _app(args: argparse.Namespace, model):
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           max_sequences=args.max_sequences_per_request)
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVSTATE_API_KEY") or None
-    app = create_app(llm, model_name=name, routers=routers, limits=limits, api_key=api_key)
+    metrics_key = args.metrics_key if args.metrics_key is not None else os.environ.get("KVSTATE_METRICS_KEY")
+    app = create_app(llm, model_name=name, routers=routers, limits=limits, api_key=api_key,
+                     metrics_key=metrics_key or None)
     app.state.explorer_bench = bench
+    app.state.explorer_bench_runs = args.explorer_bench_run
     return app
 
 

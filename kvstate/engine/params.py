@@ -32,6 +32,14 @@ from dataclasses import dataclass, fields, replace
 from kvstate.errors import KvstateError
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+# Bounds on the work one request adds per generated token: each token is looked up in the stop ids
+# (a set) and each stop string is searched in the new text and held back by its prefixes.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+# Sampling runs in float32: a top_p or repetition_penalty below its smallest normal number rounds
+# to 0 there (every token masked), one above its largest to inf.
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 def _int(name: str, value, *, allow_none: bool = False) -> int | None:
@@ -84,8 +92,9 @@ class SamplingParams:
             raise KvstateError(f"SamplingParams.top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
         self.top_k = max(self.top_k, 0)
         self.top_p = _float("top_p", self.top_p)
-        if not (0.0 < self.top_p <= 1.0):
-            raise KvstateError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not (FLOAT32_TINY <= self.top_p <= 1.0):
+            raise KvstateError(f"SamplingParams.top_p must be in (0, 1] and at least {FLOAT32_TINY:.3g} "
+                               f"(less underflows float32), got {self.top_p}")
         self.min_p = _float("min_p", self.min_p)
         if not (0.0 <= self.min_p <= 1.0):
             raise KvstateError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
@@ -94,9 +103,15 @@ class SamplingParams:
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise KvstateError(f"SamplingParams.stop_token_ids must be a list of integers, got {ids!r}")
+        if hasattr(ids, "__len__") and len(ids) > MAX_STOP_TOKEN_IDS:  # before converting a million of them
+            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         self.stop_token_ids = [_int("stop_token_ids", t) for t in ids]
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                               f"got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids}")
+            raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids[:8]}")
+        self.stop_token_set = frozenset(self.stop_token_ids)  # what the scheduler looks each token up in
         self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise KvstateError(f"SamplingParams.max_tokens must be >= 1 (or None), got {self.max_tokens}")
@@ -114,8 +129,9 @@ class SamplingParams:
                 raise KvstateError(f"SamplingParams.{name} must be in [-2, 2], got {value}")
             setattr(self, name, value)
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise KvstateError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise KvstateError(f"SamplingParams.repetition_penalty must be > 0 and in [{FLOAT32_TINY:.3g}, "
+                               f"{FLOAT32_MAX:.3g}] (float32), got {self.repetition_penalty}")
         return self
 
     @classmethod
@@ -148,6 +164,12 @@ class SamplingParams:
         for s in items:
             if not isinstance(s, str) or not s:
                 raise KvstateError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise KvstateError(f"SamplingParams.stop strings have at most {MAX_STOP_CHARS} characters, "
+                                   f"got one of {len(s)}")
+        items = list(dict.fromkeys(items))  # each string once: every one is searched at every token
+        if len(items) > MAX_STOP_STRINGS:
+            raise KvstateError(f"SamplingParams.stop takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
         return items
 
     @property

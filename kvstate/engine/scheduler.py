@@ -309,7 +309,7 @@ class Scheduler:
         p = seq.params
         if not p.ignore_eos and token in self.config.eos_token_ids:
             return "stop", None
-        if token in p.stop_token_ids:
+        if token in p.stop_token_set:
             return "stop", token
         if seq.detokenizer is not None and (s := seq.detokenizer.add(token)) is not None:
             return "stop", s  # a token that ends the output by id (above) adds no text, as in vLLM

@@ -100,15 +100,18 @@ class Tokenizer:
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def message_ends(self, messages: list[dict[str, Any]], ids: list[int], *,
-                     add_generation_prompt: bool = True) -> list[int]:
+                     add_generation_prompt: bool = True, last: int | None = None) -> list[int]:
         """Token positions in `ids` (the rendered conversation, encoded without special tokens) where each
         message ends and any later request may branch: for every message but the first, the longest
         prefix shared with the same conversation whose message differs from its first character on
         (so it holds the previous message and the next one's header), and the end of the last message.
-        Any template works: a rendering that shares less only yields a shorter (still valid) prefix."""
+        Any template works: a rendering that shares less only yields a shorter (still valid) prefix.
+        Each cut renders and encodes the whole conversation: `last` bounds them to the last `last`
+        messages' ends (a server's choice: linear, not quadratic, in the number of messages)."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         cuts = []
-        for k in range(1, len(messages)):
+        first = 1 if last is None else max(1, len(messages) - last + 1)
+        for k in range(first, len(messages)):
             other = [dict(m) for m in messages]
             other[k]["content"] = "\u2063" + str(other[k].get("content") or "")  # an invisible separator first
             try:

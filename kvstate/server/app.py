@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -39,11 +40,14 @@ class SafeJSONResponse(JSONResponse):
 
 
 def create_app(engine, *, model_name: str | None = None, routers=(), static_dir: Path | None = STATIC_DIR,
-               api_key: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               api_key: str | None = None, limits: ServerLimits | None = None,
+               metrics_key: str | None = None) -> FastAPI:
     """The app over `engine`: an `EngineLoop`, or an `LLM` (a loop is made for it, named `model_name`).
     `routers`: extra APIRouters to include (they see the loop as `request.app.state.engine_loop`);
     `static_dir`: mounted at `/` when it exists (None: no static files); `api_key`: required as a
-    bearer token by /v1 and the explorer's API; `limits`: what one request may ask (`ServerLimits`)."""
+    bearer token by /v1 and the explorer's API; `metrics_key`: the one /metrics needs (None: `api_key`);
+    `limits`: what one request may ask (`ServerLimits`; a request's sequences are held to half the
+    engine's max_num_seqs, so that one request never takes every running place)."""
     from kvstate.server import metrics, openai_routes
 
     loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, model_name=model_name)
@@ -60,9 +64,13 @@ def create_app(engine, *, model_name: str | None = None, routers=(), static_dir:
                   "(paged KV for full attention, fixed state slots for linear layers)", lifespan=lifespan,
                   default_response_class=SafeJSONResponse)
     app.state.engine_loop = loop
-    app.state.limits = limits = limits or ServerLimits()
+    limits = limits or ServerLimits()
+    seqs = getattr(getattr(getattr(loop.core, "scheduler", None), "config", None), "max_num_seqs", None)
+    if seqs is not None:
+        limits = replace(limits, max_sequences=min(limits.max_sequences, max(1, seqs // 2)))
+    app.state.limits = limits
     app.state.metrics = metrics.ServerMetrics(loop)
-    app.add_middleware(Gate, limits=limits, api_key=api_key)
+    app.add_middleware(Gate, limits=limits, api_key=api_key, metrics_key=metrics_key)
     app.add_middleware(metrics.CountRequests, metrics=app.state.metrics)  # outermost: counts the gate's 401/413 too
     _error_handlers(app)
     app.include_router(openai_routes.router)

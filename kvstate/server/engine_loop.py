@@ -11,7 +11,10 @@ receive each step's outputs on their own asyncio queue (`call_soon_threadsafe`).
 the commands, runs one `EngineCore.step()` over every running request (continuous batching across
 clients), routes the outputs, and waits on the queue when nothing is left to run. Leaving the
 `async with` early (a client that disconnected, a cancelled handler) aborts the unfinished
-requests: the engine frees their blocks and slots at its next step.
+requests: the engine frees their blocks and slots at its next step. A submission whose outputs
+pile up unread (a stream to a client that stopped reading: the socket's send blocks, so the
+handler stops taking) is aborted by the thread once `max_backlog` outputs per request wait: the
+engine does not go on generating, nor the queue on growing, for a client that is not there.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvstate.engine.outputs import EngineOutput, RequestOutput
 
 log = logging.getLogger("kvstate.server")
 _STOP = object()
+MAX_BACKLOG = 256  # outputs (about engine steps) per engine request waiting unread before it is aborted
 
 
 class Submission:
@@ -36,9 +40,11 @@ class Submission:
         self.engine_loop, self.request_ids = loop, request_ids
         self._aio, self._queue = aio_loop, asyncio.Queue()
         self._open = set(range(len(request_ids)))  # choices not finished yet
+        self.sent = self.taken = 0  # outputs put (engine thread) and taken (asyncio side): the backlog
 
     def put(self, choice: int, out: EngineOutput) -> None:
         """Called on the engine thread."""
+        self.sent += 1
         try:
             self._aio.call_soon_threadsafe(self._queue.put_nowait, (choice, out))
         except RuntimeError:  # the event loop is closed: the client is long gone
@@ -63,14 +69,16 @@ class Submission:
         if not self._open:
             raise StopAsyncIteration
         choice, out = await self._queue.get()
+        self.taken += 1
         if out.finished:
             self._open.discard(choice)
         return choice, out
 
 
 class EngineLoop:
-    def __init__(self, llm, *, model_name: str | None = None):
+    def __init__(self, llm, *, model_name: str | None = None, max_backlog: int = MAX_BACKLOG):
         self.llm, self.core = llm, llm.engine
+        self.max_backlog = max_backlog
         self.model_name = model_name or getattr(llm.plan, "name", None) or "kvstate"
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # engine request id -> (submission, choice); touched by the engine thread only
@@ -114,6 +122,10 @@ class EngineLoop:
     def abort(self, request_ids: list) -> None:
         self._commands.put(("abort", list(request_ids)))
 
+    def fail_all(self, message: str) -> None:
+        """End every request now (a shutdown): each gets a final output with `message` (reason abort)."""
+        self._commands.put(("fail", message))
+
     def stats(self) -> dict:
         """The engine's counters and pool occupancy after the last step, plus requests queued to the thread."""
         return {**self._stats, "num_pending": self._commands.qsize(), "num_steps": self.steps,
@@ -145,12 +157,17 @@ class EngineLoop:
                 except Exception:  # a broken view must not stop the engine
                     log.exception("step observer failed")
             self._stats = self.core.stats()  # before routing: a handler that sees its request end sees fresh stats
+            fed = set()
             for out in outs:
                 route = self._routes.get(out.request_id)
                 if route is not None:
                     route[0].put(route[1], out)
+                    fed.add(route[0])
                     if out.finished:
                         del self._routes[out.request_id]
+            for sub in fed:
+                if sub.sent - sub.taken > self.max_backlog * len(sub.request_ids):
+                    self._fail(sub, "the client stopped reading its stream: its requests were aborted")
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
@@ -176,11 +193,20 @@ class EngineLoop:
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))
                         continue
                     self._routes[rid] = (sub, choice)
+            elif cmd[0] == "fail":
+                self._fail_all(cmd[1], reason="abort")
             else:
                 for rid in cmd[1]:
                     if self._routes.pop(rid, None) is not None:
                         self.core.abort_request(rid)
             self._stats = self.core.stats()
+
+    def _fail(self, sub: Submission, message: str) -> None:
+        """Abort one submission's running requests (each gets a final output saying why)."""
+        for choice, rid in enumerate(sub.request_ids):
+            if self._routes.pop(rid, None) is not None:
+                sub.put(choice, _failed(rid, message, "abort"))
+                self.core.abort_request(rid)
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         for rid, (sub, choice) in list(self._routes.items()):

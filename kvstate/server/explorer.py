@@ -20,20 +20,20 @@ this router includes (decay, gates, compare, scale, scale/run, cache/time).
 The router's lifespan hangs a `StepRecorder` on the app's engine loop (`step_observers`), so the
 timeline starts with the server. Every bad input is a 400 with the server's error JSON (a config
 field the planner refuses names it as `param`, e.g. "config.num_hidden_layers"). The planner,
-tokenizing and the recall task's prompt run on worker threads, so the event loop keeps serving.
+tokenizing and the recall task's prompt run on the explorer's own thread (`explorer_pool`), so the
+event loop keeps serving and /v1 never waits for a thread an explorer call holds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from kvstate.errors import ConfigFieldError, KvstateError
+from kvstate.server import explorer_pool
 from kvstate.server.explorer_engine import StepRecorder, run_greedy, served_loop
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
@@ -99,7 +99,7 @@ def _memory(request: Request, model: str | None, config: dict | None, context: i
 
 @router.get("/memory")
 async def memory(request: Request, model: str = "qwen3.5-0.8b", context: int | None = None):
-    return await run_in_threadpool(_memory, request, model, None, context)
+    return await explorer_pool.run(request.app, lambda: _memory(request, model, None, context))
 
 
 class ConfigUpload(BaseModel):
@@ -109,7 +109,7 @@ class ConfigUpload(BaseModel):
 
 @router.post("/memory")
 async def memory_upload(body: ConfigUpload, request: Request):
-    return await run_in_threadpool(_memory, request, None, body.config, body.context)
+    return await explorer_pool.run(request.app, lambda: _memory(request, None, body.config, body.context))
 
 
 @router.get("/engine")
@@ -136,7 +136,7 @@ async def cache_run(body: CacheRun, request: Request):
     loop, rec = _engine_parts(request)
     if lone_surrogate(body.prompt):
         raise ApiError("the prompt holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param="prompt")
-    ids = await run_in_threadpool(loop.core.tokenizer.encode, body.prompt)
+    ids = await explorer_pool.run(request.app, lambda: loop.core.tokenizer.encode(body.prompt))
     room = loop.core.max_model_len - body.max_tokens
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")
@@ -160,24 +160,10 @@ async def recall(body: RecallRun, request: Request):
     from kvstate.server import explorer_recall
 
     loop, _ = _engine_parts(request)
-    state = request.app.state
-    if getattr(state, "explorer_recall_lock", None) is None:  # handlers run on the event loop: no race here
-        state.explorer_recall_lock = threading.Lock()  # one scoring forward at a time beside the engine thread
-    lock = state.explorer_recall_lock
-    try:
-        prompt, answer, candidates = await run_in_threadpool(explorer_recall.example, body.task, body.size,
-                                                             body.seed, body.depth)
-    except KvstateError as exc:
-        raise _bad(exc) from None
-
-    def run():
-        with lock:
-            return explorer_recall.score(loop.core.model, loop.core.tokenizer, prompt, candidates,
-                                         loop.core.max_model_len)
-    try:
-        prompt_tokens, rows = await run_in_threadpool(run)
-    except KvstateError as exc:
-        raise _bad(exc) from None
+    prompt, answer, candidates = await explorer_pool.run(
+        request.app, lambda: explorer_recall.example(body.task, body.size, body.seed, body.depth))
+    prompt_tokens, rows = await explorer_pool.run(request.app, lambda: explorer_recall.score(
+        loop.core.model, loop.core.tokenizer, prompt, candidates, loop.core.max_model_len))
     return {"task": body.task, "size": body.size, "seed": body.seed, "prompt": prompt, "answer": answer,
             "prompt_tokens": prompt_tokens, "candidates": rows}
 

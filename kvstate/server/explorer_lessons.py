@@ -4,29 +4,31 @@
     POST gates          {"prompt", "layer"}: every linear layer's per-head decays and memory horizons on
                         the prompt, and the prompt fed token by token (KV cells, one layer's state slot)
     POST compare        {"task", "size", "seed", "other"}: one recall prompt scored by the served model
-                        and a second one (default: the other shipped model)
+                        and a second one, a shipped model's name (default: the other) or the served
+                        model's (no path: a client never learns what the server's disk holds)
     GET  scale          the real-scale prefill/decode scenario from a bench result (null until one is given)
     POST scale          a `kvstate bench engine --json` result (uploaded): its scenario
-    POST scale/run      start one bench run (a subprocess); GET scale reports it
+    POST scale/run      start one bench run (a subprocess of GBs), only on a server started with
+                        --explorer-bench-run (else a 403); GET scale reports it
     POST cache/time     {"prompt", "max_tokens"}: the engine's steps replayed with the cache, and a full
                         forward without it at each step, both timed
 
-Every model forward runs in a worker thread (never on the event loop) under one lock with the recall
-panel's, on bounded input: at most MAX_PROMPT_TOKENS tokens fed one by one, MAX_TIMED_TOKENS
+Every model forward runs on the explorer's own thread (`explorer_pool`: never on the event loop, never
+on the threads /v1 needs), on bounded input: at most MAX_PROMPT_TOKENS tokens fed one by one, MAX_TIMED_TOKENS
 generated, MAX_RECOMPUTED positions in all the cache-off forwards of one timing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from kvstate.errors import KvstateError
+from kvstate.shipped import SHIPPED
+from kvstate.server import explorer_pool
 from kvstate.server.explorer_engine import served_loop
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
@@ -39,6 +41,9 @@ MAX_RECOMPUTED = 8192  # positions of all the cache-off forwards of one timing
 @contextlib.asynccontextmanager
 async def _lifespan(app):
     yield
+    pool = getattr(app.state, "explorer_pool", None)
+    if pool is not None:
+        pool.close()
     run = getattr(app.state, "explorer_bench_run", None)
     if run is not None:
         run.stop()
@@ -53,24 +58,8 @@ def _check_text(prompt: str) -> None:
         raise ApiError("the prompt holds a lone UTF-16 surrogate (such as \\ud800): not valid text", param="prompt")
 
 
-def model_lock(app) -> threading.Lock:
-    """The lock every explorer forward beside the engine thread takes (one at a time; the recall panel's)."""
-    lock = getattr(app.state, "explorer_recall_lock", None)
-    if lock is None:  # set on the event loop: no race
-        lock = app.state.explorer_recall_lock = threading.Lock()
-    return lock
-
-
 async def _in_thread(request: Request, fn):
-    lock = model_lock(request.app)
-
-    def run():
-        with lock:
-            return fn()
-    try:
-        return await run_in_threadpool(run)
-    except KvstateError as exc:
-        raise ApiError(str(exc).splitlines()[0]) from None
+    return await explorer_pool.run(request.app, fn)
 
 
 @router.get("/decay")
@@ -92,7 +81,7 @@ async def gates(body: GatesRun, request: Request):
     loop = served_loop(request)
     core = loop.core
     _check_text(body.prompt)
-    all_ids = await run_in_threadpool(core.tokenizer.encode, body.prompt)
+    all_ids = await _in_thread(request, lambda: core.tokenizer.encode(body.prompt))
     ids = all_ids[:MAX_PROMPT_TOKENS]
     if not ids:
         raise ApiError("the prompt has no tokens")
@@ -142,6 +131,11 @@ async def compare(body: CompareRun, request: Request):
     loop = served_loop(request)
     core = loop.core
     other = (body.other or "").strip() or ec.default_other(core.plan)
+    if other == loop.model_name and ec.checkpoint_dir(core.plan) is not None:
+        other = str(ec.checkpoint_dir(core.plan))
+    elif other not in SHIPPED:
+        raise ApiError(f"other must be a shipped model ({', '.join(SHIPPED)}) or the served model "
+                       f"({loop.model_name})", param="other")
     try:
         prompt, answer, candidates = explorer_recall.example(body.task, body.size, body.seed)
     except KvstateError as exc:
@@ -204,6 +198,9 @@ async def scale_upload(body: BenchUpload, request: Request):
 
 @router.post("/scale/run")
 async def scale_run(request: Request):
+    if not getattr(request.app.state, "explorer_bench_runs", False):
+        raise ApiError("this server does not run benchmarks (start it with kvstate serve --explorer-bench-run); "
+                       "upload a `kvstate bench engine --json` result instead", status=403, type="permission_error")
     return {"run": _bench_runner(request.app).start()}
 
 
@@ -222,7 +219,7 @@ async def cache_time(body: TimedRun, request: Request):
     if rec is None:
         raise ApiError("the explorer's step recorder is not running", status=409)
     _check_text(body.prompt)
-    ids = await run_in_threadpool(loop.core.tokenizer.encode, body.prompt)
+    ids = await _in_thread(request, lambda: loop.core.tokenizer.encode(body.prompt))
     room = min(MAX_TIMED_PROMPT, loop.core.max_model_len - body.max_tokens)
     if not ids or len(ids) > room:
         raise ApiError(f"the prompt is {len(ids)} tokens; it must be 1 to {room} with {body.max_tokens} to generate")

@@ -20,6 +20,7 @@ page's run: 1,024, the scenario's prompt).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -33,14 +34,35 @@ COMMAND = [sys.executable, "-m", "kvstate", "bench", "engine", "--json", "--no-r
 TIME_LIMIT = 1800.0
 
 
+def _figure(value, name: str, most: float, *, optional: bool = False) -> float | None:
+    """A measured figure: a finite number in (0, most] (an upload may hold NaN, Infinity or 1e-400)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most \
+            or not math.isfinite(value):
+        raise KvstateError(f"the bench result's {name} must be a number in (0, {most:g}], got {value!r:.40}")
+    return float(value)
+
+
+def _text(value, name: str) -> str | None:
+    if value is not None and not (isinstance(value, str) and len(value) <= 200):
+        raise KvstateError(f"the bench result's {name} must be a short string, got {type(value).__name__}")
+    return value
+
+
 def _row(bench: dict, phase: str) -> dict:
-    rows = [r for r in bench.get("rows", []) if isinstance(r, dict) and r.get("impl") == "kvstate"
-            and r.get("phase") == phase and (phase == "prefill" or r.get("batch") == 1)]
+    rows = bench.get("rows", [])
+    rows = [r for r in rows if isinstance(r, dict) and r.get("impl") == "kvstate"
+            and r.get("phase") == phase and (phase == "prefill" or r.get("batch") == 1)] \
+        if isinstance(rows, list) else []
     if not rows or not rows[0].get("tokens_per_s") or not rows[0].get("ms_per_step"):
         what = "prefill" if phase == "prefill" else "batch-1 decode"
         raise KvstateError(f"the bench result has no measured kvstate {what} row: is it `kvstate bench engine "
                            "--json` output with batch 1 in --batches?")
-    return rows[0]
+    row = rows[0]
+    return {"tokens_per_s": _figure(row["tokens_per_s"], f"{phase} tokens_per_s", 1e9),
+            "ms_per_step": _figure(row["ms_per_step"], f"{phase} ms_per_step", 1e7),
+            "gbps": _figure(row.get("gbps") or None, f"{phase} gbps", 1e5, optional=True)}
 
 
 def scenario(bench: dict, prompt: int = PROMPT, new: int = NEW) -> dict:
@@ -48,17 +70,25 @@ def scenario(bench: dict, prompt: int = PROMPT, new: int = NEW) -> dict:
     if not isinstance(bench, dict):
         raise KvstateError("the bench result must be a JSON object (`kvstate bench engine --json`)")
     pre, dec = _row(bench, "prefill"), _row(bench, "decode")
-    prefill_tok_ms = 1e3 / float(pre["tokens_per_s"])
-    decode_ms = float(dec["ms_per_step"])
+    machine = bench.get("machine") or {}
+    if not isinstance(machine, dict):
+        raise KvstateError("the bench result's machine must be an object")
+    threads = machine.get("threads")
+    threads = None if threads is None else int(_figure(threads, "machine.threads", 1 << 16))
+    measured = bench.get("prefill_tokens")
+    measured = None if measured is None else int(_figure(measured, "prefill_tokens", 1 << 24))
+    prefill_tok_ms = 1e3 / pre["tokens_per_s"]
+    decode_ms = dec["ms_per_step"]
     prefill_ms = prompt * prefill_tok_ms
     decode_total = new * decode_ms
     total = prefill_ms + decode_total
-    weights = int(bench.get("weight_bytes") or 0)
+    weights = int(_figure(bench.get("weight_bytes") or None, "weight_bytes", 1e15, optional=True) or 0)
     step_bytes = dec["gbps"] * 1e9 * decode_ms / 1e3 if dec.get("gbps") else None
-    return {"model": bench.get("model"), "weight_dtype": bench.get("weight_dtype"),
-            "threads": (bench.get("machine") or {}).get("threads"), "prompt_tokens": prompt, "new_tokens": new,
-            "measured_prefill_tokens": bench.get("prefill_tokens"),
-            "prefill_tokens_per_s": float(pre["tokens_per_s"]), "prefill_ms_per_token": prefill_tok_ms,
+    return {"model": _text(bench.get("model"), "model"),
+            "weight_dtype": _text(bench.get("weight_dtype"), "weight_dtype"),
+            "threads": threads, "prompt_tokens": prompt, "new_tokens": new,
+            "measured_prefill_tokens": measured,
+            "prefill_tokens_per_s": pre["tokens_per_s"], "prefill_ms_per_token": prefill_tok_ms,
             "decode_ms_per_token": decode_ms, "prefill_ms": prefill_ms, "decode_ms": decode_total,
             "ttft_ms": prefill_ms + decode_ms, "total_ms": total, "prefill_share": prefill_ms / total,
             "decode_share": decode_total / total, "ratio": decode_ms / prefill_tok_ms, "weight_bytes": weights,

@@ -3,8 +3,9 @@
     app.add_middleware(Gate, limits=ServerLimits(), api_key="secret")
 
 With an API key, /v1/* and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
-OpenAI's error JSON, compared in constant time); /health, /metrics, the explorer's page and the
-OpenAPI document stay open, as vLLM leaves /health and /metrics open. A body declared larger
+OpenAI's error JSON, compared in constant time); /metrics needs `metrics_key` (by default the
+same key: its counters tell who uses the server how much; a scraper may get a key of its own);
+/health, the explorer's page and the OpenAPI document stay open. A body declared larger
 than `limits.max_body_bytes` is a 413 before any of it is parsed or kept; one without
 Content-Length is cut off with a 413 once it grows past the limit. Either way the rest of the
 body is read and dropped first (up to DRAIN_BYTES; past that the connection just closes): a
@@ -60,18 +61,26 @@ async def _reply(send, status: int, body: dict, headers: dict | None = None) -> 
 
 
 class Gate:
-    def __init__(self, app, limits: ServerLimits, api_key: str | None = None):
+    def __init__(self, app, limits: ServerLimits, api_key: str | None = None, metrics_key: str | None = None):
         self.app, self.limits = app, limits
         self.api_key = api_key.encode() if api_key else None
+        metrics_key = metrics_key or api_key
+        self.metrics_key = metrics_key.encode() if metrics_key else None
 
     def _authorized(self, scope) -> bool:
         path = scope.get("path", "")
-        if self.api_key is None or not any(path.startswith(p) or path == p.rstrip("/") for p in PROTECTED):
+        if path == "/metrics":
+            key = self.metrics_key
+        elif any(path.startswith(p) or path == p.rstrip("/") for p in PROTECTED):
+            key = self.api_key
+        else:
+            return True
+        if key is None:
             return True
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
         return False
 
     async def __call__(self, scope, receive, send):

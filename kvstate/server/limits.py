@@ -21,6 +21,8 @@ from dataclasses import dataclass
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_SEQUENCES = 64
 CHARS_PER_TOKEN = 32
+DEFAULT_IDLE_TIMEOUT = 15.0  # seconds a request head or body may stall (kvstate.server.http_timeouts)
+DEFAULT_GRACEFUL_SHUTDOWN = 3.0  # seconds SIGTERM waits for requests before cancelling them
 
 
 @dataclass(frozen=True)

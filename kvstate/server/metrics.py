@@ -5,7 +5,9 @@ are the engine loop's count (every token sampled, the requests a client left inc
 Gauges read at scrape time from the engine loop's last snapshot of `EngineCore.stats()`: every
 numeric field becomes `kvstate_<field>` (requests running and waiting, KV blocks and state slots
 used and total, bytes in use, and whatever the engine adds later, such as prefix-cache hits),
-plus the requests queued to the engine thread (`kvstate_num_pending`).
+plus the requests queued to the engine thread (`kvstate_num_pending`). The fields that only grow
+(steps, prefix-cache lookups and hits, snapshots taken, draft tokens: `_cumulative`) are typed
+counter, named `..._total` as Prometheus wants, so that rate() and resets work on them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 router = APIRouter()
+_COUNTED = ("num_steps", "num_step_failures", "snapshots_taken", "snapshots_evicted")
+_COUNTED_PREFIXES = ("prefix_hits", "prefix_lookups", "prefix_prompt_tokens", "prefix_cached_tokens", "spec_num_")
+
+
+def _cumulative(key: str) -> bool:
+    """Whether an engine stats field only grows (a counter), not a level (a gauge)."""
+    return key in _COUNTED or key.startswith(_COUNTED_PREFIXES)
 
 
 class _EngineCollector:
@@ -30,7 +39,8 @@ class _EngineCollector:
         for key, value in sorted(self.loop.stats().items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 name = "kvstate_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-                yield GaugeMetricFamily(name, f"engine: {key.replace('_', ' ')}", value=value)
+                family = CounterMetricFamily if _cumulative(key) else GaugeMetricFamily
+                yield family(name, f"engine: {key.replace('_', ' ')}", value=value)
 
 
 class ServerMetrics:

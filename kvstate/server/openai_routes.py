@@ -7,7 +7,9 @@ templates too: the event loop keeps answering /health), turns it into engine req
 prompt and sample, sample k seeded seed + k as vLLM), hands them to the engine loop, and answers
 with the whole result or a stream of server-sent events. A request the engine itself rejects
 fails before any byte is sent, so it too is a 400. Leaving a stream early aborts its engine
-requests. Generated tokens are counted by the engine loop (aborted requests' too).
+requests; a stream the server ends (a shutdown, a client that stopped reading) ends with an error
+event saying why. Generated tokens are counted by the engine loop (aborted requests' too). A chat's
+snapshot hints are its last CHAT_HINTS message ends (each costs a render of the whole chat).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
 
 router = APIRouter()
+CHAT_HINTS = 4  # snapshot hints at the last few message ends only: each costs a render of the whole chat
 
 
 @router.get("/health")
@@ -101,7 +104,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         ids = tokenizer.encode(text, add_special_tokens=False)
         hints = {}
         if loop.core.scheduler.prefix is not None:  # the state is kept where each message ends (as LLM.chat)
-            ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt)
+            ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt,
+                                          last=CHAT_HINTS)
             hints = dict.fromkeys(ends, "chat")
         hints.update(_cache_prefix(loop, body, ids))
         return ids, hints
@@ -126,13 +130,14 @@ def _check_model(loop, body) -> None:
 
 def _check_fanout(request: Request, num_prompts: int, n: int) -> None:
     """prompts x n within the server's --max-sequences-per-request, before any prompt is read."""
-    most = request.app.state.limits.max_sequences
+    most, flag = request.app.state.limits.max_sequences, "(kvstate serve --max-sequences-per-request, " \
+        "at most half of --max-num-seqs)"
     if num_prompts > most:
-        raise ApiError(f"{num_prompts} prompts in one request; this server takes at most {most} "
-                       f"(kvstate serve --max-sequences-per-request)", param="prompt")
+        raise ApiError(f"{num_prompts} prompts in one request; this server takes at most {most} {flag}",
+                       param="prompt")
     if num_prompts * n > most:
         raise ApiError(f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; this server takes at most "
-                       f"{most} per request (kvstate serve --max-sequences-per-request)", param="n")
+                       f"{most} per request {flag}", param="n")
 
 
 def _check_text(text: str, most: int, param: str) -> None:
@@ -219,7 +224,7 @@ async def _unless_disconnected(request: Request, work):
 
 def _raise_if_failed(out) -> None:
     output = getattr(out, "output", out)
-    if output is None or output.finish_reason != "error":
+    if output is None or (output.finish_reason != "error" and not output.error):  # error: ended by the server
         return
     message = output.error or "the request failed"
     if message.startswith("engine step failed"):
@@ -327,7 +332,8 @@ class _Reply:
         while item is not None:
             choice, out = item
             self.take(choice, out)
-            if out.finished and out.output.finish_reason == "error":
+            if out.finished and (out.output.finish_reason == "error" or out.output.error):  # failed, or ended
+                # by the server (a shutdown, a client that stopped reading): the stream says why
                 yield P.sse(P.error_body(out.output.error or "the request failed"))
             elif out.text or out.finished or (out.logprobs and self.params.logprobs is not None):
                 reason = P.finish_reason(out.output.finish_reason) if out.finished else None

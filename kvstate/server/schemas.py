@@ -10,19 +10,31 @@ the schema, so the OpenAPI document states them and a bad value is a 400 before 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from kvstate.engine.params import SamplingParams
+from kvstate.engine.params import FLOAT32_TINY, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstate.errors import KvstateError
 from kvstate.server.protocol import ApiError
 
 MAX_N = 16  # samples per prompt
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_MESSAGES = 1024  # chat turns: each costs template work (and a snapshot hint) however short
 SEED = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator.manual_seed's range (seed + k for n samples)
 
 TokenIds = list[int]
+
+
+def _at_most(most: int) -> BeforeValidator:
+    """A list's length bound checked before its items are (pydantic's max_length validates all 270k
+    chat messages first, on the event loop); kept out of the OpenAPI schema, where schemathesis would
+    build lists past it to test it."""
+    def check(value):
+        if isinstance(value, list) and len(value) > most:
+            raise ValueError(f"takes at most {most} items, got {len(value)}")
+        return value
+    return BeforeValidator(check)
 
 
 class StreamOptions(BaseModel):
@@ -36,7 +48,7 @@ class _Sampling(BaseModel):
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); omitted: that model")
     temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=FLOAT32_TINY, le=1)  # below: 0 in float32, every token masked
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,9 +61,9 @@ class _Sampling(BaseModel):
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=100)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int] | None, _at_most(MAX_STOP_TOKEN_IDS)] = None
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
@@ -118,7 +130,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: Annotated[list[ChatMessage], _at_most(MAX_MESSAGES)] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

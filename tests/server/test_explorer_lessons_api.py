@@ -129,6 +129,7 @@ def test_scale_upload_and_a_run_started_from_the_page(client):
     assert up["scenario"] == scenario(BENCH)
 
     fast = {**BENCH, "rows": [{**r, "ms_per_step": r["ms_per_step"] / 2} for r in BENCH["rows"]]}
+    app.state.explorer_bench_runs = True  # kvstate serve --explorer-bench-run
     app.state.explorer_bench_run = None
     app.state.explorer_bench_command = [sys.executable, "-c", f"print({json.dumps(json.dumps(fast))})"]
     assert client.post("/explorer/api/scale/run").json()["run"]["status"] == "running"
@@ -151,6 +152,7 @@ def test_a_bench_run_does_not_outlive_the_server(ckpt):
 
     app = explorer_app(ckpt)
     app.state.explorer_bench_command = [sys.executable, "-c", "import time; time.sleep(600)"]
+    app.state.explorer_bench_runs = True
     with TestClient(app) as c:
         assert c.post("/explorer/api/scale/run").json()["run"]["status"] == "running"
         run = app.state.explorer_bench_run
@@ -170,8 +172,8 @@ def test_compare_beside_the_other_shipped_model_or_any_checkpoint(client):
     assert served["kv_bytes"] > 0 and "does not know" in served["note"]  # a random checkpoint
     for rows in (served["candidates"], other["candidates"]):
         assert rows[0]["text"] == r["answer"] and sum(c["share"] for c in rows) == pytest.approx(1.0)
-    path = str(client.app_ref.state.engine_loop.llm.plan.source).rsplit("/", 1)[0]
-    mine = client.post("/explorer/api/compare", json={"task": "needle", "size": 3, "other": path}).json()["models"]
+    name = client.app_ref.state.engine_loop.model_name  # the served model, by its name (never a path)
+    mine = client.post("/explorer/api/compare", json={"task": "needle", "size": 3, "other": name}).json()["models"]
     assert mine[0]["candidates"] == mine[1]["candidates"]  # the same checkpoint scores the same
     client.post("/explorer/api/compare", json={"other": "kvstate-phonebook-hybrid", "size": 2})
     assert len(client.app_ref.state.explorer_models.models) == MAX_CACHED  # bounded: the oldest went

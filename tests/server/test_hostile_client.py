@@ -8,7 +8,6 @@ server's RSS grows by less than 300 MB. The module's last test prints the suite'
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -20,12 +19,13 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 from kvstate.shipped import DEFAULT_MODEL  # noqa: E402
+from tests.live_server import start_serve  # noqa: E402
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME  # noqa: E402
 from tests.server.test_bad_requests import BAD  # noqa: E402
 
 KEY = "hostile-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-C, CHAT, MEMORY = "/v1/completions", "/v1/chat/completions", "/explorer/api/memory"
+C, CHAT, MEMORY, SCALE = "/v1/completions", "/v1/chat/completions", "/explorer/api/memory", "/explorer/api/scale"
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "kvstate", "data", "models", DEFAULT_MODEL)
 CONFIG = json.load(open(os.path.join(SHIPPED, "config.json")))
 NO_TYPES = {k: v for k, v in CONFIG.items() if k != "layer_types"}
@@ -58,14 +58,32 @@ with httpx.Client(timeout=10) as client:
         time.sleep(0.05)
 """
 
+# Another client beside every case: a 16-token completion every 0.2 s (issue #41: none above 1 s)
+PROBE = """
+import sys, time, httpx
+
+url, out, key = sys.argv[1], open(sys.argv[2], "a"), sys.argv[3]
+body = {"prompt": "The phone book", "max_tokens": 16, "ignore_eos": True}
+with httpx.Client(timeout=60, headers={"authorization": "Bearer " + key}) as client:
+    while True:
+        start = time.perf_counter()
+        try:
+            ok = client.post(url + "/v1/completions", json=body).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        print(time.time(), time.perf_counter() - start if ok else 60.0, file=out, flush=True)
+        time.sleep(0.2)
+"""
+
 
 class HealthWatch:
     """GET /health every 50 ms for the whole suite, from a process of its own (so that the test
-    process's own work never delays a poll); a failed poll counts as 10 s."""
+    process's own work never delays a poll); a failed poll counts as 10 s. With `script=PROBE`:
+    another client's 16-token completion every 0.2 s instead (a failed one counts as 60 s)."""
 
-    def __init__(self, url: str, log):
+    def __init__(self, url: str, log, script: str = POLLER):
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, url, str(log)])
+        self.proc = subprocess.Popen([sys.executable, "-c", script, url, str(log), KEY])
         self.spans: list[tuple[str, float, float]] = []  # (test, start, end) wall clock
 
     def polls(self) -> list[tuple[float, float]]:
@@ -73,8 +91,10 @@ class HealthWatch:
 
     def slowest_by_test(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for when, took in self.polls():
-            name = next((n for n, a, b in self.spans if a <= when - took and when <= b + 0.05), "between tests")
+        for when, took in self.polls():  # the test whose span overlaps the poll most
+            overlap = {n: min(when, b) - max(when - took, a) for n, a, b in self.spans}
+            name = max(overlap, key=overlap.get, default=None)
+            name = name if name is not None and overlap[name] > 0 else "between tests"
             out[name] = max(out.get(name, 0.0), took)
         return out
 
@@ -90,29 +110,21 @@ def _count(response):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVSTATE_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", "0", "--max-model-len",
-                             str(MAX_MODEL_LEN), "--cache-memory", "32MiB", "--served-model-name", MODEL_NAME,
-                             "--enable-prefix-caching"], stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = start_serve("--max-model-len", str(MAX_MODEL_LEN), "--cache-memory", "32MiB", "--served-model-name",
+                            MODEL_NAME, "--enable-prefix-caching", env={"KVSTATE_API_KEY": KEY})
     try:
-        line = proc.stderr.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert url, line
-        url = url[0]
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
         with httpx.Client(base_url=url, headers=AUTH, timeout=60, event_hooks={"response": [_count]}) as client:
             client.post(C, json={"prompt": "warm up", "max_tokens": 2})  # first-request costs out of the RSS figure
             FIGURES["rss_before"] = _rss_mb(proc.pid)
             watch = HealthWatch(url, tmp_path_factory.mktemp("health") / "polls.txt")
+            probe = HealthWatch(url, tmp_path_factory.mktemp("probe") / "probes.txt", PROBE)
+            watch.spans = probe.spans  # one list of test spans for both
+            FIGURES["probe"] = probe
             try:
                 yield url, client, proc, watch
             finally:
                 watch.stop()
+                probe.stop()
     finally:
         proc.terminate()
         try:
@@ -135,7 +147,7 @@ def _span(request):
 
 def _metrics(url: str) -> dict:
     values = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
@@ -158,17 +170,17 @@ def _assert_error(resp, status: int, param):
     assert error["type"] and error["param"] == param, error
 
 
-def test_the_key_is_needed_but_health_metrics_and_the_page_stay_open(server):
+def test_the_key_is_needed_but_health_and_the_page_stay_open(server):
     url, *_ = server
     for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/explorer/api/models"),
-                         ("POST", MEMORY)):
+                         ("POST", MEMORY), ("GET", "/metrics")):
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
             with httpx.Client(event_hooks={"response": [_count]}) as bare:
                 resp = bare.request(method, url + path, json={}, headers=headers)
             assert resp.status_code == 401, (method, path, headers)
             assert resp.json()["error"]["code"] == "invalid_api_key"
     with httpx.Client(event_hooks={"response": [_count]}) as bare:
-        for path in ("/health", "/metrics", "/"):
+        for path in ("/health", "/"):
             assert bare.get(url + path).status_code == 200, path
 
 
@@ -212,6 +224,28 @@ TABLE = [  # (name, method, path, json body or raw bytes, status, param)
     ("GET chat", "GET", CHAT, None, 405, None),
     ("DELETE completions", "DELETE", C, None, 405, None),
     ("PUT explorer memory", "PUT", MEMORY, None, 405, None),
+    # issue #41
+    ("3M stop_token_ids", "POST", C, {"prompt": ["Hi"] * 16, "stop_token_ids": [0] * 3_000_000}, 400,
+     "stop_token_ids"),
+    ("32 prompts x 200 tokens", "POST", C, {"prompt": ["Hi"] * 32, "max_tokens": 200, "ignore_eos": True}, 400,
+     "prompt"),  # more than half of --max-num-seqs (32)
+    ("1500 chat turns", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}] * 1500}, 400, "messages"),
+    ("270k empty messages", "POST", CHAT, {"messages": [{"role": "user", "content": ""}] * 270_000}, 400,
+     "messages"),
+    ("top_p 1e-46", "POST", C, {"prompt": "hi", "top_p": 1e-46}, 400, "top_p"),
+    ("repetition_penalty 1e-46", "POST", C, {"prompt": "hi", "repetition_penalty": 1e-46}, 400,
+     "repetition_penalty"),
+    ("bench figure NaN", "POST", SCALE, b'{"bench": {"rows": [{"impl": "kvstate", "phase": "prefill", '
+     b'"tokens_per_s": NaN, "ms_per_step": 1}, {"impl": "kvstate", "phase": "decode", "batch": 1, '
+     b'"tokens_per_s": 10, "ms_per_step": 1}]}}', 400, None),
+    ("bench figure Infinity", "POST", SCALE, b'{"bench": {"rows": [{"impl": "kvstate", "phase": "prefill", '
+     b'"tokens_per_s": 10, "ms_per_step": 1}, {"impl": "kvstate", "phase": "decode", "batch": 1, '
+     b'"tokens_per_s": 10, "ms_per_step": Infinity}]}}', 400, None),
+    ("bench machine 3", "POST", SCALE, {"bench": {"machine": 3, "rows": [
+        {"impl": "kvstate", "phase": "prefill", "tokens_per_s": 10, "ms_per_step": 1},
+        {"impl": "kvstate", "phase": "decode", "batch": 1, "tokens_per_s": 10, "ms_per_step": 1}]}}, 400, None),
+    ("bench run without the flag", "POST", SCALE + "/run", {}, 403, None),
+    ("compare a server path", "POST", "/explorer/api/compare", {"other": "/etc"}, 400, "other"),
 ]
 
 
@@ -269,7 +303,7 @@ def test_one_requests_fanout_does_not_starve_a_later_one(server):
     done = {}
 
     def big():
-        client.post(C, json={"prompt": ["Hi"] * 16, "n": 4, "max_tokens": 80, "ignore_eos": True})
+        client.post(C, json={"prompt": ["Hi"] * 4, "n": 4, "max_tokens": 80, "ignore_eos": True})
         done["big"] = time.perf_counter()
 
     thread = threading.Thread(target=big)
@@ -280,7 +314,7 @@ def test_one_requests_fanout_does_not_starve_a_later_one(server):
     done["small"] = time.perf_counter()
     thread.join(120)
     assert resp.status_code == 200 and "big" in done
-    assert done["small"] < done["big"]  # admitted in turn, not after the 64 sequences ahead of it
+    assert done["small"] < done["big"]  # admitted in turn, not after the 16 sequences ahead of it
 
 
 def test_tokens_of_streams_left_early_are_counted(server):
@@ -352,6 +386,13 @@ def test_zz_the_server_held_up(server):
           f"with Expect: 100-continue); 10**12-layer config {ms('10**12 layers')} ms")
     slowest = sorted(watch.slowest_by_test().items(), key=lambda kv: -kv[1])[:3]
     print("slowest /health by test: " + ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in slowest))
+    probe = FIGURES["probe"]
+    probes = probe.polls()
+    worst_probe = max(took for _, took in probes)
+    slowest = sorted(probe.slowest_by_test().items(), key=lambda kv: -kv[1])[:3]
+    print(f"another client's 16-token completion: {len(probes)} sent, worst {worst_probe * 1e3:.0f} ms; slowest by "
+          "test: " + ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in slowest))
     assert proc.poll() is None and FIGURES["5xx"] == 0
     assert len(polls) > 10 and worst < 1.0  # the event loop never held /health for a second
+    assert len(probes) > 10 and worst_probe < 1.0  # no case held another client's request for a second
     assert rss_after - FIGURES["rss_before"] < 300

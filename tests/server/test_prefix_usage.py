@@ -55,5 +55,5 @@ def test_cached_tokens_equal_llm_num_cached_tokens(checkpoint):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prefix"
         metrics = client.get("/metrics").text
     assert got == want
-    hits = {k: float(v) for k, v in re.findall(r"^kvstate_prefix_hits_(\w+) (\S+)$", metrics, re.M)}
+    hits = {k: float(v) for k, v in re.findall(r"^kvstate_prefix_hits_(\w+)_total (\S+)$", metrics, re.M)}
     assert hits["repeat"] == 1 and hits["chat"] >= 1 and hits["prefix"] == 1, hits

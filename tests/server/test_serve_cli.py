@@ -79,7 +79,7 @@ def test_serve_process_answers_and_stops(checkpoint):
             for _ in range(3):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         metrics = httpx.get(url[0] + "/metrics", timeout=10).text
-        hits = re.search(r"^kvstate_prefix_hits (\S+)$", metrics, re.M)
+        hits = re.search(r"^kvstate_prefix_hits_total (\S+)$", metrics, re.M)
         assert hits and float(hits[1]) >= 1, metrics
     finally:
         proc.terminate()
@@ -99,5 +99,14 @@ def test_help_lists_the_limits_and_the_key(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--api-key", "KVSTATE_API_KEY", "--max-body-bytes", "--max-prompt-chars",
-                 "--max-sequences-per-request"):
+                 "--max-sequences-per-request", "--metrics-key", "KVSTATE_METRICS_KEY", "--timeout-idle",
+                 "--timeout-graceful-shutdown", "--explorer-bench-run"):
         assert flag in out, flag
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "1e9"])
+def test_a_bad_timeout_is_one_line_and_exit_2(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--timeout-idle", value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--timeout-idle" in err and "Traceback" not in err
