@@ -291,6 +291,8 @@ class Scheduler:
                 self.prefix.computed(seq, now)
             j = sampled.get(i)
             if j is None:
+                if seq.params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
+                    self._finish(seq, "length", None, now)  # prompt logprobs only: scored, nothing to generate
                 continue
             token = int(token_ids[j])
             seq.output_token_ids.append(token)
