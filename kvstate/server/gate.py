@@ -2,7 +2,7 @@
 
     app.add_middleware(Gate, limits=ServerLimits(), api_key="secret")
 
-With an API key, /v1/* and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
+With an API key, /v1/*, the tokenizer's routes and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
 OpenAI's error JSON, compared in constant time); /health, /metrics, the explorer's page and the
 OpenAPI document stay open, as vLLM leaves /health and /metrics open. A body declared larger
 than `limits.max_body_bytes` is a 413 before any of it is parsed or kept; one without
@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from kvstate.server.limits import ServerLimits
 from kvstate.server.protocol import error_body
 
-PROTECTED = ("/v1/", "/explorer/api/")
+PROTECTED = ("/v1/", "/explorer/api/", "/tokenize/", "/detokenize/", "/tokenizer_info/")
 DRAIN_BYTES = 256 << 20  # the most of a refused body read (and dropped) so that the client sees the 413
 
 
