@@ -196,7 +196,11 @@ class EngineCore:
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints)
+        refuse = None
+        if getattr(params, "prompt_logprobs", None) is not None and not self.runner.scores_prompts:
+            refuse = "prompt_logprobs is not supported with tensor parallelism (--tp): run with one rank"
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints,
+                           refuse=refuse)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""

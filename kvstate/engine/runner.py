@@ -35,6 +35,8 @@ def batch_spec(step) -> BatchSpec:
 
 
 class ModelRunner:
+    scores_prompts = True  # prompt_logprobs: the LM head runs on rows of this rank alone (not under TP)
+
     def __init__(self, model, plan, *, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
                  conv_window: str = "kernel", seed: int | None = None, mtp: bool = False):

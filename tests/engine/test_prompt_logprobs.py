@@ -122,3 +122,46 @@ def test_lm_head_runs_in_chunks_of_positions(qwen, monkeypatch):
         handle.remove()
     assert max(rows) <= 3 and sum(rows) >= 19
     check_against(out.prompt_logprobs, ids, reference(hf, ids), 1)
+
+
+def test_a_runner_that_cannot_score_prompts_refuses_the_request_alone(qwen):
+    """Under TP (TPRunner.scores_prompts False) the LM head gathers from every rank: such a request is
+    refused with its reason, and the requests beside it still run."""
+    from kvstate.engine.core import EngineCore
+    from kvstate.engine.runner import ModelRunner
+    from kvstate.models.loader import load_model
+
+    class NoScoring(ModelRunner):
+        scores_prompts = False
+
+    model, plan = load_model(qwen[0])
+    core = EngineCore(model, plan, cache_memory="16MiB", runner_class=NoScoring)
+    core.add_request("scored", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    core.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    done = {}
+    while core.has_unfinished():
+        done.update({o.request_id: o.output for o in core.step() if o.finished})
+    assert done["scored"].finish_reason == "error" and "tensor parallelism" in done["scored"].error
+    assert len(done["plain"].token_ids) == 2
+
+
+def test_preemption_and_mtp_speculation_keep_the_numbers():
+    """A cache too small for both prompts (one is preempted and recomputed) and MTP drafting (the
+    runner keeps every row's hidden state anyway) give the plain engine's prompt logprobs."""
+    from kvstate.shipped import shipped_path
+
+    path = shipped_path("kvstate-phonebook-hybrid")
+    prompts = [random_ids(1300, 60, 21), random_ids(1300, 44, 22)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    plain = LLM(path, cache_memory="16MiB").generate(prompts, params)
+    spec = LLM(path, cache_memory="16MiB").engine.runner.cache_spec
+    tight = LLM(path, cache_memory=2 * spec.state_bytes + 80 * spec.kv_bytes_per_token, max_num_seqs=2,
+                block_size=4, max_num_batched_tokens=16)  # 80 tokens of KV for 2 x ~55
+    mtp = LLM(path, cache_memory="16MiB", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    squeezed = tight.generate(prompts, params)
+    assert sum(o.metrics["num_preemptions"] for o in squeezed) > 0
+    for other in (squeezed, mtp.generate(prompts, params)):
+        for a, b in zip(plain, other):
+            assert a.token_ids == b.token_ids
+            for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert list(ea) == list(eb) and all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
