@@ -255,6 +255,10 @@ class EngineCore:
         done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
         cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
         prompt_lp = (seq.prompt_logprobs or [None]) if seq.params.prompt_logprobs is not None else None
+        if prompt_lp is not None and self.tokenizer is not None:  # each token's text, as vLLM's decoded_token
+            for entry in prompt_lp[1:]:
+                for tok, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
                              metrics=seq.metrics(), num_cached_tokens=cached, prompt_logprobs=prompt_lp)
 

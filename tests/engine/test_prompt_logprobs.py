@@ -79,6 +79,17 @@ def test_max_tokens_zero_scores_the_prompt_only(qwen):
     assert all(len(e) == 1 for e in out.prompt_logprobs[1:])  # k = 0: the prompt's own token only
 
 
+def test_decoded_tokens_with_a_tokenizer(tmp_path):
+    from tests.models.test_tokenizer import write_tokenizer
+
+    tiny_qwen3_5(vocab=300).save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    llm = LLM(tmp_path, cache_memory="16MiB")
+    out = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    for entry in out.prompt_logprobs[1:]:
+        assert all(lp.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False) for t, lp in entry.items())
+
+
 def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(KvstateError, match="max_tokens"):
         SamplingParams(max_tokens=0)
