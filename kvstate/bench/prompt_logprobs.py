@@ -23,25 +23,32 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=count_arg, default=5, help="alternating rounds (default: 5)")
 
 
+def _engine(size: str, t: int):
+    """An LLM over a fresh random checkpoint (its files gone once loaded)."""
+    import tempfile
+
+    from kvstate.bench.checkpoints import qwen3_5_checkpoint
+    from kvstate.llm import LLM
+
+    with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
+        path, _ = qwen3_5_checkpoint(size, tmp)
+        return LLM(path, cache_memory="1GiB", max_model_len=t + 8, max_num_batched_tokens=max(2048, t))
+
+
 def run(args: argparse.Namespace) -> int:
     import random
-    import tempfile
 
     import torch
     from rich.table import Table
 
-    from kvstate.bench.checkpoints import qwen3_5_checkpoint
     from kvstate.bench.timing import start
     from kvstate.engine.params import SamplingParams
-    from kvstate.llm import LLM
 
     console, _ = start(args)
-    size = "quick" if args.quick else "0.5b"
     t = args.prompt_len or (64 if args.quick else 512)
-    with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp, console.status("building checkpoint"):
-        path, hf = qwen3_5_checkpoint(size, tmp)
-        del hf
-        llm = LLM(path, cache_memory="1GiB", max_model_len=t + 8, max_num_batched_tokens=max(2048, t))
+    size = "quick" if args.quick else "0.5b"
+    with console.status("building checkpoint"):
+        llm = _engine(size, t)
     vocab = llm.plan.vocab_size
     rng = random.Random(0)
     kinds = {"plain prefill": SamplingParams(temperature=0, max_tokens=1),
