@@ -114,6 +114,7 @@ def test_naive_kl(checkpoint, capsys):
     (["--context", "8", "--stride", "9"], "--stride"),
     (["--kl-base", "nope"], "neither a weight dtype"),
     (["--weight-dtype", "fp64"], "weight-dtype"),
+    (["--save-base", "/nonexistent/dir/base"], "folder does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(checkpoint, capsys, argv, words):
     path, _ = checkpoint

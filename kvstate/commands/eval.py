@@ -85,6 +85,8 @@ def _evaluate(args, model_path: Path, ids: list[int], load_model) -> int:
     meta = {"tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(), "context": args.context,
             "stride": stride, "model": str(model_path)}
     dtypes = args.weight_dtype or [None]
+    if args.save_base and not Path(args.save_base).resolve().parent.is_dir():
+        raise KvstateError(f"--save-base {args.save_base}: its folder does not exist")
     base_model = base_file = None
     base_name = args.kl_base
     if base_name is not None:
