@@ -46,8 +46,6 @@ async def models(request: Request):
 async def completions(body: CompletionRequest, request: Request):
     loop = request.app.state.engine_loop
     _check_model(loop, body)
-    if body.echo and body.stream:
-        raise ApiError("echo with stream is not supported: ask for the whole reply", param="echo")
     if body.suffix:
         raise ApiError("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -63,22 +61,12 @@ async def completions(body: CompletionRequest, request: Request):
             _check_text(p, most, "prompt")
             if loop.llm.tokenizer is None:
                 raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
-    params = body.sampling_params(body.max_tokens, body.logprobs, _prompt_logprobs(body))
+    params = body.sampling_params(body.max_tokens, body.logprobs, body.scored_prompt())
     texts = [p if isinstance(p, str) else None for p in prompts]  # echo repeats a text prompt as given
     prompts = await run_in_threadpool(_token_ids, loop, prompts)
     hints = await run_in_threadpool(lambda: [_cache_prefix(loop, body, p) for p in prompts])
     return await _serve(request, body, prompts, params, chat=False, hints=hints, texts=texts)
 
-
-def _prompt_logprobs(body) -> int | None:
-    """The engine's prompt_logprobs for a completions request: echo with logprobs scores the prompt
-    (the legacy logprobs object covers it), as does max_tokens 0, whose reply is the prompt only."""
-    if body.prompt_logprobs is not None and body.stream:
-        raise ApiError("prompt_logprobs with stream is not supported: ask for the whole reply", param="prompt_logprobs")
-    asked = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
-    if body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
-        raise ApiError("max_tokens 0 returns nothing without echo or prompt_logprobs", param="max_tokens")
-    return max(asked) if asked else 0 if body.max_tokens == 0 else None
 
 
 @router.post("/v1/chat/completions")

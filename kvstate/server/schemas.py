@@ -101,6 +101,17 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: per prompt token")
+
+    def scored_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: echo with logprobs scores the prompt (the legacy logprobs
+        object covers it), as does max_tokens 0, whose reply is the prompt only. Neither streams."""
+        for name in ("echo", "prompt_logprobs"):
+            if getattr(self, name) not in (None, False) and self.stream:
+                raise ApiError(f"{name} with stream is not supported: ask for the whole reply", param=name)
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ApiError("max_tokens 0 returns nothing without echo or prompt_logprobs", param="max_tokens")
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else 0 if self.max_tokens == 0 else None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
