@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "bench": "benchmarks: ops, model, engine (ratios against transformers, fraction of machine limits)",
     "serve": "OpenAI-compatible HTTP server over the engine, with the cache explorer at / (loopback by default)",
     "recall": "recall on CPU: train tiny models on MQAR / phonebook, sweep them, run the phonebook test",
+    "eval": "quality: perplexity over sliding windows, KL and top-1 agreement against a base (llama-perplexity)",
 }
 
 

@@ -81,3 +81,9 @@ def test_benchmarks_silence_the_fallback_warnings_they_expect():
     assert "falling back" not in proc.stderr and "fast path" not in proc.stderr, proc.stderr
     assert "Writing model shards" not in proc.stderr
     json.loads(proc.stdout)
+
+
+def test_bench_prompt_logprobs_quick(capsys):
+    out = run_json(capsys, ["bench", "prompt-logprobs", "--quick", "--rounds", "1", "--prompt-len", "16", "--json",
+                            "--threads", "1"])
+    assert [r["kind"] for r in out["rows"]] == ["plain prefill", "prompt_logprobs=1"] and out["ratio"] > 0

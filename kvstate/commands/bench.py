@@ -16,6 +16,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefix": ("kvstate.bench.prefix",
                "prefix caching per snapshot policy: shared documents, repeats, system prompts, chats"),
     "spec": ("kvstate.bench.spec", "speculative decoding: acceptance and batch-1 decode tok/s, k = 2/4/8, 3 drafters"),
+    "prompt-logprobs": ("kvstate.bench.prompt_logprobs",
+                        "a prompt scored (prompt_logprobs=1) vs the same prompt prefilled, 0.5B checkpoint"),
     "tp": ("kvstate.bench.tp", "tensor parallelism: prefill and decode tok/s, TP 1 (N threads) vs TP N (N x 1 thread)"),
 }
 

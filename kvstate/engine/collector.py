@@ -54,4 +54,5 @@ class RequestCollector:
         cached = [p.num_cached_tokens for p in parts if p.num_cached_tokens is not None]
         return RequestOutput(self.request_id, self.prompt, list(ids), outputs, error=error,
                              metrics=merge_metrics([p.metrics for p in parts]),
-                             num_cached_tokens=min(cached) if cached else None)
+                             num_cached_tokens=min(cached) if cached else None,
+                             prompt_logprobs=parts[0].prompt_logprobs)

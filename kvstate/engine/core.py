@@ -196,7 +196,11 @@ class EngineCore:
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints)
+        refuse = None
+        if getattr(params, "prompt_logprobs", None) is not None and not self.runner.scores_prompts:
+            refuse = "prompt_logprobs is not supported with tensor parallelism (--tp): run with one rank"
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints,
+                           refuse=refuse)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
@@ -221,6 +225,8 @@ class EngineCore:
                 self.peak_cache_bytes[key] = max(self.peak_cache_bytes[key], used)
         want = any(p.logprobs is not None for p in step.sample_params())
         logprobs = list(zip(out.logprobs, out.top_logprobs)) if want else None
+        for seq, first, entries in out.prompt_logprobs:  # before postprocess: a request may finish in this step
+            seq.add_prompt_logprobs(first, entries)
         finished, kept = self.scheduler.postprocess(step, out.token_ids, logprobs)
         if self.proposer is not None:  # roll verified states back, count, draft for the next step
             self.runner.keep(kept)
@@ -248,8 +254,13 @@ class EngineCore:
         logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
         cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
+        prompt_lp = (seq.prompt_logprobs or [None]) if seq.params.prompt_logprobs is not None else None
+        if prompt_lp is not None and self.tokenizer is not None:  # each token's text, as vLLM's decoded_token
+            for entry in prompt_lp[1:]:
+                for tok, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
-                             metrics=seq.metrics(), num_cached_tokens=cached)
+                             metrics=seq.metrics(), num_cached_tokens=cached, prompt_logprobs=prompt_lp)
 
     # -- pool usage -----------------------------------------------------------------------------
     def cache_bytes_in_use(self) -> dict[str, int]:

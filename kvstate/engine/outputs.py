@@ -13,6 +13,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's Logprob): rank 1 = the most likely."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# per prompt position: None for the first token, then {token id: Logprob}, the prompt's own token first
+PromptLogprobs = list  # list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int  # which of the n samples
     text: str
@@ -31,6 +44,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: dict = field(default_factory=dict)  # time_to_first_token, time_per_output_token, latency, ...
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's name)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs (PromptLogprobs)
 
     @property
     def text(self) -> str:

@@ -9,9 +9,12 @@ Field names and meanings follow vLLM's `SamplingParams`, which users already kno
     seed            per-request random generator (reproducible whatever the batch around it)
     stop            strings that end the output (not included in the text)
     stop_token_ids  token ids that end the output (included in token_ids)
-    max_tokens      most tokens to generate (None = up to the model's maximum length)
+    max_tokens      most tokens to generate (None = up to the model's maximum length); 0 only
+                    with prompt_logprobs (score the prompt, generate nothing)
     ignore_eos      keep generating past the end-of-sequence token
     logprobs        None = none; n >= 0 = the chosen token's logprob plus the n most likely
+    prompt_logprobs None = none; k >= 0 = each prompt token's logprob (and rank) given the tokens
+                    before it, plus the k most likely there (RequestOutput.prompt_logprobs)
     n               samples per prompt (sample k uses seed + k when a seed is given, as vLLM)
     presence_penalty    subtract it from the logit of every token already in the output
     frequency_penalty   subtract it times the token's count in the output
@@ -74,6 +77,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -113,8 +117,13 @@ class SamplingParams:
             raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids[:8]}")
         self.stop_token_set = frozenset(self.stop_token_ids)  # what the scheduler looks each token up in
         self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise KvstateError(f"SamplingParams.max_tokens must be >= 1 (or None), got {self.max_tokens}")
+        self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise KvstateError(f"SamplingParams.prompt_logprobs must be >= 0 (or None), got {self.prompt_logprobs}")
+        least = 0 if self.prompt_logprobs is not None else 1  # max_tokens 0: score the prompt only (vLLM)
+        if self.max_tokens is not None and self.max_tokens < least:
+            what = ">= 0 (or None)" if least == 0 else ">= 1 (or None; 0 only with prompt_logprobs)"
+            raise KvstateError(f"SamplingParams.max_tokens must be {what}, got {self.max_tokens}")
         if not isinstance(self.ignore_eos, bool):
             raise KvstateError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.logprobs = _int("logprobs", self.logprobs, allow_none=True)

@@ -62,7 +62,8 @@ class PrefixHooks:
         continues one of them waits a step for it."""
         tokens = seq.token_ids(0, seq.num_tokens)
         chain = self._chain(seq, tokens)
-        snap = self.cache.lookup(tokens, chain)
+        # prompt logprobs need every prompt position's logits: such a prefill skips the cache
+        snap = None if seq.prompt_logprobs_missing else self.cache.lookup(tokens, chain)
         p = snap.num_tokens if snap is not None else 0
         for f in ending:
             if p < f.num_tokens < seq.num_tokens and f.token_ids(0, f.num_tokens) == tokens[:f.num_tokens]:

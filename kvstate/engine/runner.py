@@ -18,6 +18,7 @@ import torch
 from kvstate.cache.pools import LayerCache, allocate_pools
 from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
+from kvstate.engine.prompt_logprobs import step_prompt_logprobs
 from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
 from kvstate.engine.speculative.rejection import sample_step
 from kvstate.kernels.threads import small_ops_serial
@@ -34,6 +35,8 @@ def batch_spec(step) -> BatchSpec:
 
 
 class ModelRunner:
+    scores_prompts = True  # prompt_logprobs: the LM head runs on rows of this rank alone (not under TP)
+
     def __init__(self, model, plan, *, cache_bytes: int, block_size: int, num_slots: int, max_model_len: int,
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
                  conv_window: str = "kernel", seed: int | None = None, mtp: bool = False):
@@ -80,20 +83,23 @@ class ModelRunner:
                         t[dst].copy_(t[src])
 
     @torch.inference_mode()
-    def run(self, spec: BatchSpec, input_ids: list[int]) -> torch.Tensor:
-        """Run one step's forward over its packed `input_ids`; returns logits [len(spec.sample_rows), vocab] (fp32)."""
+    def run(self, spec: BatchSpec, input_ids: list[int], *, hidden: bool = False):
+        """Run one step's forward over its packed `input_ids`; returns logits [len(spec.sample_rows), vocab] (fp32),
+        and with `hidden` also every token's normed last hidden state [T, hidden] (prompt logprobs score them)."""
         device = self.model.device
         batch = Batch.from_spec(spec, device=device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         one_query_per_row = batch.decode_only or batch.verify_group is not None  # decode, or verify drafts
         with small_ops_serial() if one_query_per_row and self.serial_small_ops else contextlib.nullcontext():
-            if self.keep_hidden:
-                logits, self.hidden = self.model(ids, batch, self.caches, hidden=True)
-                self.hidden_batch = batch
+            normed = None
+            if self.keep_hidden or hidden:
+                logits, normed = self.model(ids, batch, self.caches, hidden=True)
+                if self.keep_hidden:
+                    self.hidden, self.hidden_batch = normed, batch
             else:  # only the sampled entries' rows reach the LM head
                 logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None
-        return logits
+        return (logits, normed) if hidden else logits
 
     @torch.inference_mode()
     def keep(self, kept: dict[int, int]) -> None:
@@ -113,7 +119,17 @@ class ModelRunner:
         self.copy_blocks(step.block_copies)
         if step.is_empty:
             return SampleOutput([], [], [])
-        logits = self.run(batch_spec(step), step.input_ids())
+        scoring = bool(step.prompt_rows())  # entries scoring prompt tokens (prompt_logprobs) need every row
+        logits = self.run(batch_spec(step), step.input_ids(), hidden=scoring)
+        scored = []
+        if scoring:
+            logits, normed = logits
+            scored = step_prompt_logprobs(self.model.lm_head, normed, step)
+        out = self._sample(step, logits)
+        out.prompt_logprobs = scored
+        return out
+
+    def _sample(self, step, logits: torch.Tensor) -> SampleOutput:
         seqs, params = step.sample_seqs(), step.sample_params()
         history = None
         if any(p.penalties for p in params):

@@ -18,7 +18,7 @@ per request id from its first sampled token until the request finishes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # chosen token's logprob, for rows with params.logprobs set
     top_logprobs: list[list[tuple[int, float]] | None]  # the params.logprobs most likely (token, logprob)
+    prompt_logprobs: list = field(default_factory=list)  # (seq, first position, entries), engine.prompt_logprobs
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -127,8 +127,9 @@ class Scheduler:
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
             arrival_time: float | None = None, group=None,
-            snapshot_hints: dict[int, str] | None = None) -> Sequence:
-        """Queue a request. A malformed one comes back REJECTED with `error` set (no exception).
+            snapshot_hints: dict[int, str] | None = None, refuse: str | None = None) -> Sequence:
+        """Queue a request. A malformed one comes back REJECTED with `error` set (no exception), as
+        does one the caller `refuse`s (the reason).
         `group`: the client request it belongs to (admission takes groups in turn); None: its own.
         `snapshot_hints`: prompt positions -> kind where prefix caching should keep a state snapshot
         (positions outside [1, prompt length] are left out)."""
@@ -136,6 +137,7 @@ class Scheduler:
         params = SamplingParams() if params is None else params
         tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
                                       in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
+        error = error or refuse
         seq = Sequence(request_id, tokens, params, arrival_time=now, group=group)
         if snapshot_hints and self.prefix is not None and error is None:
             seq.snapshot_hints = {p: k for p, k in snapshot_hints.items() if 1 <= p <= len(tokens)}
@@ -291,6 +293,8 @@ class Scheduler:
                 self.prefix.computed(seq, now)
             j = sampled.get(i)
             if j is None:
+                if seq.params.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
+                    self._finish(seq, "length", None, now)  # prompt logprobs only: scored, nothing to generate
                 continue
             token = int(token_ids[j])
             seq.output_token_ids.append(token)

@@ -49,7 +49,9 @@ class SchedulerOutput:
         self.context_lens.append(seq.num_computed_tokens)
         self.block_tables.append(list(seq.block_table))
         self.state_slots.append(seq.state_slot)
-        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens if sample is None else sample)
+        if sample is None:  # max_tokens 0 (prompt logprobs only): the prompt's end is not sampled from
+            sample = seq.num_computed_tokens + n == seq.num_tokens and seq.params.max_tokens != 0
+        self.samples.append(sample)
 
     def add_drafts(self, drafts: list[int]) -> None:
         """Make the last entry a verify entry: the last known token, then `drafts` (kvstate.engine.speculative)."""
@@ -84,6 +86,12 @@ class SchedulerOutput:
 
     def sample_seqs(self) -> list[Sequence]:
         return [self.seqs[i] for i in self.sample_indices]
+
+    def prompt_rows(self) -> list[tuple[int, range]]:
+        """(entry, prompt positions it scores) for the entries that score prompt tokens (prompt_logprobs)."""
+        out = [(i, s.prompt_rows(c, n)) for i, (s, c, n) in enumerate(zip(self.seqs, self.context_lens,
+                                                                          self.num_tokens))]
+        return [(i, r) for i, r in out if len(r)]
 
     def modes(self) -> list[str] | None:
         """Each entry's mode when the step verifies drafts; None: the default (decode for one token)."""

@@ -42,6 +42,8 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the request was rejected
     output_logprobs: list = field(default_factory=list)  # what the sampler returned per token
+    # with params.prompt_logprobs: [None, {token: Logprob}, ...] for the prompt positions scored so far
+    prompt_logprobs: list | None = None
     detokenizer: IncrementalDetokenizer | None = None  # set by the scheduler when it has a decoder
     # metrics (clock of the scheduler)
     first_scheduled_time: float | None = None
@@ -73,6 +75,26 @@ class Sequence:
     def num_remaining_tokens(self) -> int:
         """Known tokens not yet in the cache (1 for a decode step)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def prompt_logprobs_missing(self) -> bool:
+        """Whether prompt positions are still to be scored (such a prefill cannot skip them: no prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs or [None]) < self.num_prompt_tokens
+
+    def prompt_rows(self, start: int, n: int) -> range:
+        """Of the tokens [start, start + n) computed in a step, the positions whose logits score a
+        prompt token not yet scored (position r scores token r + 1); empty when none is asked for."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs or [None]) - 1)
+        return range(first, max(first, min(start + n, self.num_prompt_tokens - 1)))
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Prompt positions first, first + 1, ... scored (index p holds position p's entry; 0 is None)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        if first == len(self.prompt_logprobs):  # a recompute after preemption has them already
+            self.prompt_logprobs.extend(entries)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + outputs, without building the whole list."""

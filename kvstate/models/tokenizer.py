@@ -43,6 +43,7 @@ class Tokenizer:
         cfg = _read_json(path / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
+        self.pad_token = _token_text(cfg.get("pad_token"))
         self.add_bos = bool(cfg.get("add_bos_token", False))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]

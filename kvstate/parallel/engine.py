@@ -49,6 +49,8 @@ class KeepData:
 class TPRunner(ModelRunner):
     """Rank 0's runner: the plain step data goes to the workers, then rank 0 runs its shard too."""
 
+    scores_prompts = False  # the LM head gathers the vocabulary from every rank: no extra rows on rank 0 alone
+
     def __init__(self, model, plan, *, group: TPGroup, workers=(), **kwargs):
         super().__init__(model, model.plan, **kwargs)  # the rank's plan: pools of its heads only
         self.group, self.workers, self.closed = group, list(workers), False

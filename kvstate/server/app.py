@@ -3,12 +3,13 @@
     app = create_app(EngineLoop(llm, model_name="tiny"))      # or create_app(llm): a loop is made
     app = create_app(loop, routers=[explorer.router])         # more APIRouters (the explorer's API)
 
-The OpenAI routes live in `openai_routes`; this module wires them with /health and /metrics,
-turns every error into OpenAI's error JSON with a 4xx code (a malformed body is a 400, as OpenAI
-answers, not FastAPI's 422), and serves the explorer's static files at `/` (mounted last, so every
-API route is matched first; a GET of an API route's path is still a 405, not the static 404). The
-`gate.Gate` in front checks the API key and the body size; replies are JSON that a client's lone
-surrogate cannot break. The app starts the engine loop on startup and stops it on shutdown.
+The OpenAI routes live in `openai_routes`, the tokenizer's in `tokenizer_routes`; this module wires
+them with /health and /metrics, turns every error into OpenAI's error JSON with a 4xx code (a
+malformed body is a 400, as OpenAI answers, not FastAPI's 422), and serves the explorer's static
+files at `/` (mounted last, so every API route is matched first; a GET of an API route's path is
+still a 405, not the static 404). The `gate.Gate` in front checks the API key and the body size;
+replies are JSON that a client's lone surrogate cannot break. The app starts the engine loop on
+startup and stops it on shutdown.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def create_app(engine, *, model_name: str | None = None, routers=(), static_dir:
     bearer token by /v1 and the explorer's API; `metrics_key`: the one /metrics needs (None: `api_key`);
     `limits`: what one request may ask (`ServerLimits`; a request's sequences are held to half the
     engine's max_num_seqs, so that one request never takes every running place)."""
-    from kvstate.server import metrics, openai_routes
+    from kvstate.server import metrics, openai_routes, tokenizer_routes
 
     loop = engine if isinstance(engine, EngineLoop) else EngineLoop(engine, model_name=model_name)
 
@@ -74,6 +75,7 @@ def create_app(engine, *, model_name: str | None = None, routers=(), static_dir:
     app.add_middleware(metrics.CountRequests, metrics=app.state.metrics)  # outermost: counts the gate's 401/413 too
     _error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(tokenizer_routes.router)
     app.include_router(metrics.router)
     for router in routers:
         include_router(app, router)
@@ -111,6 +113,9 @@ def _error_handlers(app: FastAPI) -> None:
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None
+        elif first.get("type") == "extra_forbidden":  # a field this endpoint does not know would be dropped
+            param = where[0] if where else None
+            message = f"{'.'.join(where)}: unknown field; {request.url.path} does not support it"
         else:
             message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}"
             param = where[0] if where else None
@@ -118,8 +123,12 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:  # the static files at / answer every GET: an API path is a 405 there
+        if exc.status_code in (404, 405):  # the static files at / answer every GET (an API path is a 405
+            # there) and refuse every other method (a path nothing serves is a 404, not their 405)
             allowed = _allowed_methods(app, request.scope)
+            if not allowed and exc.status_code == 405:
+                return SafeJSONResponse(error_body(f"no route {request.url.path}", "not_found_error"),
+                                        status_code=404)
             if allowed and request.method not in allowed:
                 return SafeJSONResponse(error_body(f"method {request.method} is not allowed here; use "
                                                    f"{', '.join(sorted(allowed))}"), status_code=405,

@@ -2,7 +2,7 @@
 
     app.add_middleware(Gate, limits=ServerLimits(), api_key="secret")
 
-With an API key, /v1/* and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
+With an API key, /v1/*, the tokenizer's routes and /explorer/api/* need `Authorization: Bearer KEY` (else a 401 in
 OpenAI's error JSON, compared in constant time); /metrics needs `metrics_key` (by default the
 same key: its counters tell who uses the server how much; a scraper may get a key of its own);
 /health, the explorer's page and the OpenAPI document stay open. A body declared larger
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from kvstate.server.limits import ServerLimits
 from kvstate.server.protocol import error_body
 
-PROTECTED = ("/v1/", "/explorer/api/")
+PROTECTED = ("/v1/", "/explorer/api/", "/tokenize/", "/detokenize/", "/tokenizer_info/")
 DRAIN_BYTES = 256 << 20  # the most of a refused body read (and dropped) so that the client sees the 413
 
 

@@ -49,8 +49,6 @@ async def models(request: Request):
 async def completions(body: CompletionRequest, request: Request):
     loop = request.app.state.engine_loop
     _check_model(loop, body)
-    if body.echo:
-        raise ApiError("echo is not supported", param="echo")
     if body.suffix:
         raise ApiError("suffix is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -66,10 +64,12 @@ async def completions(body: CompletionRequest, request: Request):
             _check_text(p, most, "prompt")
             if loop.llm.tokenizer is None:
                 raise ApiError("this model has no tokenizer.json: give the prompt as token ids", param="prompt")
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, body.scored_prompt())
+    texts = [p if isinstance(p, str) else None for p in prompts]  # echo repeats a text prompt as given
     prompts = await run_in_threadpool(_token_ids, loop, prompts)
     hints = await run_in_threadpool(lambda: [_cache_prefix(loop, body, p) for p in prompts])
-    return await _serve(request, body, prompts, params, chat=False, hints=hints)
+    return await _serve(request, body, prompts, params, chat=False, hints=hints, texts=texts)
+
 
 
 @router.post("/v1/chat/completions")
@@ -160,7 +160,7 @@ def _check(loop, body, prompts: list[list[int]], params) -> None:
         if not ids:
             raise ApiError("prompt is empty", param="prompt")
         want = len(ids) + (params.max_tokens or 0)
-        if len(ids) >= limit or want > limit:
+        if (len(ids) >= limit and params.max_tokens != 0) or want > limit:  # max_tokens 0: the prompt may fill it
             raise ApiError(f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{want} tokens ({len(ids)} in the prompt, {params.max_tokens or 0} in the completion). "
                            f"Please reduce the length of the prompt or max_tokens.", param="prompt",
@@ -179,7 +179,7 @@ def _jobs(prompts, params, hints) -> list:
 
 
 # -- results out ---------------------------------------------------------------------------------
-async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: list[dict]):
+async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: list[dict], texts=None):
     loop, metrics = request.app.state.engine_loop, request.app.state.metrics
     _check(loop, body, prompts, params)
     if body.stop and lone_surrogate("".join([body.stop] if isinstance(body.stop, str) else body.stop)):
@@ -187,6 +187,8 @@ async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: 
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     sub = loop.submit(_jobs(prompts, params, hints))
     reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
+    if not chat:
+        reply.echo = (texts, body.echo, body.prompt_logprobs is not None)
     try:
         if body.stream:  # wait for the first output: a request the engine rejects is still a 4xx
             first = await _unless_disconnected(request, sub.__anext__())
@@ -262,6 +264,10 @@ class _Reply:
         self.offsets = [0] * len(self.finals)  # streamed completions: text_offset of the next token
         tok = loop.llm.tokenizer
         self.decode = (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
+        self.prompts = prompts
+        self.echo = (None, False, False)  # completions: (prompt texts or None each, echo, prompt_logprobs asked)
+        self.decode_all = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else \
+            (lambda ids: "")
 
     @property
     def completion_tokens(self) -> int:
@@ -281,12 +287,27 @@ class _Reply:
         if out.finished:
             self.finals[choice] = out.output
 
-    def _logprobs(self, f):
+    def _logprobs(self, f, prompt=None):
         if self.params.logprobs is None or f.logprobs is None:
             return None
         if self.chat:
             return P.chat_logprobs(f.logprobs, f.token_ids, self.decode)
-        return P.completion_logprobs(f.logprobs, f.token_ids, self.decode)
+        return P.completion_logprobs(f.logprobs, f.token_ids, self.decode, prompt=prompt)
+
+    def _completion_choice(self, i: int, f) -> dict:
+        """One completions choice; with echo, the prompt (its text as given) before the output."""
+        texts, echo, scored = self.echo
+        ids = self.prompts[i // self.n]
+        text, prompt = f.text, None
+        if echo:
+            given = texts[i // self.n] if texts is not None else None
+            text = (given if given is not None else self.decode_all(ids)) + f.text
+            prompt = (ids, f.prompt_logprobs)
+        choice = {"index": i, "text": text, "logprobs": self._logprobs(f, prompt), "finish_reason":
+                  P.finish_reason(f.finish_reason), "stop_reason": f.stop_reason}
+        if scored:
+            choice["prompt_logprobs"] = P.prompt_logprobs(f.prompt_logprobs, self.decode)
+        return choice
 
     def whole(self) -> dict:
         choices = []
@@ -296,8 +317,7 @@ class _Reply:
                 choices.append({"index": i, "message": {"role": "assistant", "content": f.text},
                                 "logprobs": self._logprobs(f), "finish_reason": reason, "stop_reason": f.stop_reason})
             else:
-                choices.append({"index": i, "text": f.text, "logprobs": self._logprobs(f), "finish_reason": reason,
-                                "stop_reason": f.stop_reason})
+                choices.append(self._completion_choice(i, f))
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self.usage()}

@@ -56,17 +56,38 @@ def sse(payload) -> str:
 # -- logprobs ------------------------------------------------------------------------------------
 # The engine gives per token (logprob of the chosen token, [(token id, logprob), ...] top-n).
 
-def completion_logprobs(entries, token_ids: list[int], decode, offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, offsets, tops = [], [], []
-    for tid, (_, top) in zip(token_ids, entries):
+def completion_logprobs(entries, token_ids: list[int], decode, offset: int = 0, prompt=None) -> dict:
+    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset.
+    top_logprobs holds the chosen token and the n most likely (vLLM's). `prompt` (echo): (prompt ids,
+    RequestOutput.prompt_logprobs or None), whose tokens come first (the first one's logprob None)."""
+    tokens, offsets, lps, tops = [], [], [], []
+
+    def add(tid: int, lp, top: dict | None) -> None:
+        nonlocal offset
         text = decode(tid)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-        tops.append({decode(t): lp for t, lp in top})
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+        lps.append(lp)
+        tops.append(top)
+
+    if prompt is not None:
+        ids, scored = prompt
+        for p, tid in enumerate(ids):
+            entry = scored[p] if scored is not None and p < len(scored) else None
+            add(tid, None if entry is None else entry[tid].logprob,
+                None if entry is None else {decode(t): e.logprob for t, e in reversed(entry.items())})
+    for tid, (lp, top) in zip(token_ids, entries):
+        add(tid, lp, {**{decode(t): v for t, v in top}, decode(tid): lp})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(scored, decode) -> list | None:
+    """vLLM's `prompt_logprobs` of a completion choice: None, then {token id: {logprob, rank, decoded_token}}."""
+    if scored is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": decode(t)}
+                                    for t, v in e.items()} for e in scored]
 
 
 def chat_logprobs(entries, token_ids: list[int], decode) -> dict:

@@ -1,11 +1,13 @@
 """Request bodies of the OpenAI endpoints (pydantic), and their translation to SamplingParams.
 
 Field names, types and defaults are OpenAI's; vLLM's extra sampling fields (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids) are accepted as vLLM does. Unknown fields are
-ignored (clients send `user` and the like), except the ones that would change the answer and that
-kvstate does not do (tools, function calls, a response_format other than text, audio): those are
-a 400 naming the field, not silently dropped. Bounds that protect the server (n, logprobs) are in
-the schema, so the OpenAPI document states them and a bad value is a 400 before any work.
+repetition_penalty, ignore_eos, stop_token_ids; prompt_logprobs on completions) are accepted as vLLM
+does. An unknown field is a 400 naming it (a field the server does not know would otherwise be
+silently dropped, e.g. prompt_logprobs on chat); OpenAI's fields that do not change the answer
+(`user`, `metadata`, `store`, ...) are accepted, and the ones that would and that kvstate does not
+do (tools, function calls, a response_format other than text, audio) are a 400 naming the field.
+Bounds that protect the server (n, logprobs) are in the schema, so the OpenAPI document states them
+and a bad value is a 400 before any work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """The sampling fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="the served model's name (GET /v1/models); omitted: that model")
     temperature: float | None = Field(None, ge=0, le=100)
@@ -58,6 +60,10 @@ class _Sampling(BaseModel):
     seed: int | None = SEED
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's bookkeeping fields: accepted, no effect on the answer
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -68,7 +74,8 @@ class _Sampling(BaseModel):
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """One sample's params (n = 1: the route fans the n samples out with for_sample)."""
         if self.logit_bias:
             raise ApiError("logit_bias is not supported", param="logit_bias")
@@ -79,8 +86,8 @@ class _Sampling(BaseModel):
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=[s for s in stop or [] if s] or None,
                       stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                      logprobs=logprobs, n=self.n, presence_penalty=self.presence_penalty,
-                      frequency_penalty=self.frequency_penalty,
+                      logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=self.n,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                       repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
         try:
             return SamplingParams(**fields)
@@ -102,9 +109,21 @@ def lone_surrogate(text: str) -> bool:
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
         ..., description="a text, token ids, or a list of either (one choice group per prompt)")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0: the prompt only (with echo or prompt_logprobs)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: per prompt token")
+
+    def scored_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: echo with logprobs scores the prompt (the legacy logprobs
+        object covers it), as does max_tokens 0, whose reply is the prompt only. Neither streams."""
+        for name in ("echo", "prompt_logprobs"):
+            if getattr(self, name) not in (None, False) and self.stream:
+                raise ApiError(f"{name} with stream is not supported: ask for the whole reply", param=name)
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ApiError("max_tokens 0 returns nothing without echo or prompt_logprobs", param="max_tokens")
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else 0 if self.max_tokens == 0 else None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -136,6 +155,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's extra
+    parallel_tool_calls: bool | None = None  # no tools: accepted, no effect
+    reasoning_effort: str | None = None
     # OpenAI fields kvstate does not do: refused by name (`unsupported`) rather than ignored
     tools: list[Any] | None = Field(None, description="not supported: a 400")
     tool_choice: Any = Field(None, description="not supported (only \"none\"): a 400")

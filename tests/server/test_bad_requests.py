@@ -44,7 +44,12 @@ BAD = [  # (path, body or raw bytes, expected status, the param named or None)
     (C, {**OK_C, "stop": 5}, 400, "stop"),
     (C, {**OK_C, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     (C, {**OK_C, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
-    (C, {**OK_C, "echo": True}, 400, "echo"),
+    (C, {**OK_C, "echo": True, "stream": True}, 400, "echo"),
+    (C, {**OK_C, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    (C, {**OK_C, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    (C, {**OK_C, "best_temperature": 1}, 400, "best_temperature"),
+    (CHAT, {**OK_CHAT, "echo": True}, 400, "echo"),
+    (CHAT, {**OK_CHAT, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     (C, {**OK_C, "stream": "yes please"}, 400, "stream"),
     (CHAT, {"model": MODEL_NAME, "messages": []}, 400, "messages"),
     (CHAT, {"model": MODEL_NAME, "messages": "hi"}, 400, "messages"),
@@ -77,7 +82,9 @@ def test_bad_request_is_a_4xx_error_json(client, path, body, status, param):
 
 def test_wrong_method_path_and_content_type(client):
     assert client.get(C).status_code in (404, 405)  # 404 where the static explorer at / answers GETs
-    assert client.post("/v1/nope", json={}).status_code in (404, 405)
+    assert client.post("/v1/nope", json={}).status_code == 404
+    assert client.post("/nope", json={}).status_code == 404
+    assert client.post("/health", json={}).status_code == 405  # a route that takes GET only
     resp = client.post(C, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
     assert resp.status_code == 400 and resp.json()["error"]["message"]
 

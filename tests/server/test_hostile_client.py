@@ -173,7 +173,8 @@ def _assert_error(resp, status: int, param):
 def test_the_key_is_needed_but_health_and_the_page_stay_open(server):
     url, *_ = server
     for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/explorer/api/models"),
-                         ("POST", MEMORY), ("GET", "/metrics")):
+                         ("POST", MEMORY), ("GET", "/metrics"), ("POST", "/tokenize"),
+                         ("POST", "/detokenize"), ("GET", "/tokenizer_info")):
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
             with httpx.Client(event_hooks={"response": [_count]}) as bare:
                 resp = bare.request(method, url + path, json={}, headers=headers)

@@ -52,6 +52,19 @@ def test_a_busy_port_is_one_line(capsys, checkpoint):
     assert f"cannot listen on 127.0.0.1:{port}" in _one_line(capsys)
 
 
+def test_connections_send_without_nagle():
+    """Accepted connections inherit TCP_NODELAY (else a kept-alive connection waits 40 ms a reply)."""
+    from kvstate.commands import serve
+
+    with serve.listen("127.0.0.1", 0) as sock:
+        sock.listen()
+        with socket.create_connection(sock.getsockname()) as client:
+            conn, _ = sock.accept()
+            with conn:
+                assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            client.close()
+
+
 def test_serve_process_answers_and_stops(checkpoint):
     openai = pytest.importorskip("openai")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
