@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvstate.engine.cache_report import merge_reports
 from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput, StreamEvent, merge_metrics
 
 
@@ -54,4 +55,5 @@ class RequestCollector:
         cached = [p.num_cached_tokens for p in parts if p.num_cached_tokens is not None]
         return RequestOutput(self.request_id, self.prompt, list(ids), outputs, error=error,
                              metrics=merge_metrics([p.metrics for p in parts]),
-                             num_cached_tokens=min(cached) if cached else None)
+                             num_cached_tokens=min(cached) if cached else None,
+                             cache_report=merge_reports([p.cache_report for p in parts]))

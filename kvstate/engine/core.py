@@ -16,7 +16,9 @@ user-API state (prompt texts, n-sample grouping, stream iterators).
 from __future__ import annotations
 
 import operator
+from collections import deque
 
+from kvstate.engine.cache_report import CacheReport
 from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.scheduler import Scheduler, SchedulerConfig
@@ -172,6 +174,7 @@ class EngineCore:
             self.proposer = make_proposer(speculative_config, self)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
+        self.cache_reports: deque = deque(maxlen=32)  # (request id, CacheReport) of the last finished requests
 
     @property
     def model(self):
@@ -188,15 +191,17 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
-                    group=None, snapshot_hints: dict[int, str] | None = None) -> None:
+                    group=None, snapshot_hints: dict[int, str] | None = None, cache_salt: str | None = None) -> None:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
         by the next step as finished with an error. `group`: the client request it belongs to
         (the scheduler admits groups in turn); None: its own. `snapshot_hints` {prompt position:
-        "chat" or "prefix"}: where prefix caching keeps a state snapshot for later requests to resume from."""
+        "chat" or "prefix"}: where prefix caching keeps a state snapshot for later requests to resume from.
+        `cache_salt`: cached blocks and snapshots are shared only between requests with the same salt."""
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
-        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints)
+        self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints,
+                           cache_salt=cache_salt)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
@@ -248,8 +253,13 @@ class EngineCore:
         logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
         done = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
         cached = seq.num_cached_tokens if self.scheduler.prefix is not None else None
+        report = seq.cache_report
+        if report is None and self.scheduler.prefix is None and seq.error is None:
+            report = CacheReport.off(seq.num_prompt_tokens)
+        if report is not None:
+            self.cache_reports.append((seq.request_id, report))
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
-                             metrics=seq.metrics(), num_cached_tokens=cached)
+                             metrics=seq.metrics(), num_cached_tokens=cached, cache_report=report)
 
     # -- pool usage -----------------------------------------------------------------------------
     def cache_bytes_in_use(self) -> dict[str, int]:

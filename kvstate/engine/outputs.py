@@ -31,6 +31,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: dict = field(default_factory=dict)  # time_to_first_token, time_per_output_token, latency, ...
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's name)
+    cache_report: object = None  # kvstate.engine.cache_report.CacheReport: what the cache reused, why it stopped
 
     @property
     def text(self) -> str:

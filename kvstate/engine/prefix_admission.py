@@ -28,7 +28,8 @@ Snapshot positions of a sequence, each with its kind (what /metrics counts hits 
 
 from __future__ import annotations
 
-from kvstate.engine.prefix_cache import PrefixCache, Snapshot, block_content, block_hashes
+from kvstate.engine.cache_report import explain
+from kvstate.engine.prefix_cache import PrefixCache, Snapshot, block_content, block_hashes, salt_root
 from kvstate.engine.sequence import Sequence
 
 
@@ -52,22 +53,30 @@ class PrefixHooks:
         self._chains: dict[Sequence, list[bytes]] = {}  # key chain of the sequence's full blocks so far
         self._registered: dict[Sequence, int] = {}  # leading blocks of its table registered
         self._branch: dict[Sequence, int] = {}  # position where its cached blocks end (a snapshot there)
+        self._roots: dict[Sequence, bytes] = {}  # root of its key chains: its cache_salt's
+
+    def _root(self, seq: Sequence) -> bytes:
+        root = self._roots.get(seq)
+        if root is None:
+            root = self._roots[seq] = salt_root(seq.cache_salt)
+        return root
 
     def _chain(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        return block_hashes(tokens, self.bs, self._chains.setdefault(seq, []))
+        return block_hashes(tokens, self.bs, self._chains.setdefault(seq, []), self._root(seq))
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, seq: Sequence, budget: int, now: float, ending: list[Sequence] = ()) -> int | None:
         """`ending`: finished replies whose end snapshot comes with this step; a sequence that
         continues one of them waits a step for it."""
         tokens = seq.token_ids(0, seq.num_tokens)
-        chain = self._chain(seq, tokens)
-        snap = self.cache.lookup(tokens, chain)
+        chain, root = self._chain(seq, tokens), self._root(seq)
+        full_prompt = getattr(seq.params, "prompt_logprobs", None) is not None  # every position's logits
+        snap = None if full_prompt else self.cache.lookup(tokens, chain, root)
         p = snap.num_tokens if snap is not None else 0
         for f in ending:
             if p < f.num_tokens < seq.num_tokens and f.token_ids(0, f.num_tokens) == tokens[:f.num_tokens]:
                 return None
-        branch = self.cache.branch_point(tokens, chain)
+        branch = self.cache.branch_point(tokens, chain, root)
         if p < branch < seq.num_tokens:
             self._branch[seq] = branch
         n = self.limit(seq, min(seq.num_tokens - p, budget), start=p)
@@ -89,6 +98,10 @@ class PrefixHooks:
             st.cached_tokens += seq.num_cached_tokens
             if snap is not None:
                 st.hits_by_kind[snap.kind] += 1
+            seq.cache_report = explain(self.cache, tokens, chain, root, snap, branch, needs_full_prompt=full_prompt)
+            if seq.cache_report.reason is not None:
+                st.misses_by_reason[seq.cache_report.reason] += 1
+            self.cache.seen_root(root)
         if snap is not None:
             table, partial = self.cache.use(snap, now)
             if partial is not None:
@@ -138,19 +151,21 @@ class PrefixHooks:
         if p // self.bs <= self._registered.get(seq, 0) and kind is None:
             return
         tokens, chain = self._register(seq, snapshot=kind is not None)
-        if kind is not None and self.cache.wants(tokens, p, chain, now):
+        root = self._root(seq)
+        if kind is not None and self.cache.wants(tokens, p, chain, now, root):
             slot = self._spare_slot()
             if slot is not None:
                 self.slots.copy_slot(seq.state_slot, slot)
-                self.cache.add(tokens, p, chain, seq.block_table, slot, now, kind)
+                self.cache.add(tokens, p, chain, seq.block_table, slot, now, kind, root)
 
     def keep_final(self, seq: Sequence, now: float) -> Snapshot | None:
         """A finished sequence's slot becomes the snapshot at its computed end (it no longer owns it)."""
         tokens, chain = self._register(seq, snapshot=True)
         p = seq.num_computed_tokens
         snap = None
-        if seq.state_slot is not None and self.cache.wants(tokens, p, chain, now):
-            snap = self.cache.add(tokens, p, chain, seq.block_table, seq.state_slot, now, "reply")
+        root = self._root(seq)
+        if seq.state_slot is not None and self.cache.wants(tokens, p, chain, now, root):
+            snap = self.cache.add(tokens, p, chain, seq.block_table, seq.state_slot, now, "reply", root)
             seq.state_slot = None
         return snap
 
@@ -160,12 +175,12 @@ class PrefixHooks:
         and the sequence's own copy stands in."""
         p = seq.num_computed_tokens
         tokens = seq.token_ids(0, p)
-        chain = self._chain(seq, tokens)
+        chain, root = self._chain(seq, tokens), self._root(seq)
         for i in range(0 if snapshot else self._registered.get(seq, 0), p // self.bs):
-            content = block_content(tokens, chain, i, self.bs)
+            content = block_content(tokens, chain, i, self.bs, root)
             if not snapshot or self.blocks.lookup(chain[i], content) is None:
                 if self.blocks.register(seq.block_table[i], chain[i], content):
-                    self.cache.note_block(chain[i - 1] if i else 0, chain[i],
+                    self.cache.note_block(chain[i - 1] if i else root, chain[i],
                                           tuple(tokens[i * self.bs:(i + 1) * self.bs]))
         self._registered[seq] = p // self.bs
         return tokens, chain
@@ -186,5 +201,5 @@ class PrefixHooks:
 
     def release(self, seq: Sequence) -> None:
         """The sequence gave its blocks back (preempted or finished): forget what was kept for it."""
-        for d in (self._registered, self._branch, self._chains):
+        for d in (self._registered, self._branch, self._chains, self._roots):
             d.pop(seq, None)

@@ -121,22 +121,26 @@ class Scheduler:
             a, b, slot_bytes, block_bytes = config.prefix_costs
             cache = PrefixCache(self.blocks, self.slots, policy=config.prefix_eviction, flops_per_token=a,
                                 flops_per_token_pair=b, slot_bytes=slot_bytes, block_bytes=block_bytes,
-                                align=config.prefix_align)
+                                align=config.prefix_align, clock=clock)
             self.prefix = PrefixHooks(cache, interval=config.snapshot_interval, repeat=config.snapshot_repeat)
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
             arrival_time: float | None = None, group=None,
-            snapshot_hints: dict[int, str] | None = None) -> Sequence:
+            snapshot_hints: dict[int, str] | None = None, cache_salt: str | None = None) -> Sequence:
         """Queue a request. A malformed one comes back REJECTED with `error` set (no exception).
         `group`: the client request it belongs to (admission takes groups in turn); None: its own.
         `snapshot_hints`: prompt positions -> kind where prefix caching should keep a state snapshot
-        (positions outside [1, prompt length] are left out)."""
+        (positions outside [1, prompt length] are left out). `cache_salt`: cached blocks and snapshots are
+        shared only between requests with the same salt (None: today's shared cache)."""
         now = self.clock() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
         tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
                                       in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
-        seq = Sequence(request_id, tokens, params, arrival_time=now, group=group)
+        if error is None and cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            error = f"cache_salt must be a non-empty string, got {cache_salt!r:.40}"
+        seq = Sequence(request_id, tokens, params, arrival_time=now, group=group,
+                       cache_salt=cache_salt if isinstance(cache_salt, str) else None)
         if snapshot_hints and self.prefix is not None and error is None:
             seq.snapshot_hints = {p: k for p, k in snapshot_hints.items() if 1 <= p <= len(tokens)}
         if error is not None:
