@@ -150,6 +150,7 @@ class PrefixCache:
         self.evicted: OrderedDict[tuple, Eviction] = OrderedDict()  # the last evictions, for cache reports
         self.roots: OrderedDict[bytes, None] = OrderedDict()  # salts' roots recently admitted, for cache reports
         self.default_root = ROOT_KEY
+        self.protected: set[tuple] = set()  # keys of snapshots the next admissions resume from
         blocks.on_evict = self._block_evicted
 
     # -- lookup ------------------------------------------------------------------------------
@@ -275,6 +276,8 @@ class PrefixCache:
                      and s.partial_block != kept and self.blocks.ref_count(s.partial_block) == holders[s.partial_block]]
         else:
             cands = [s for s in self.snapshots.values() if s is not keep]
+        # snapshots that waiting requests will resume from go last (`protected`, set per step)
+        cands = [s for s in cands if s.key not in self.protected] or cands
         if not cands:
             return False
         self.drop(min(cands, key=self._scorer(cands)), self.policy)

@@ -30,7 +30,8 @@ def batch_spec(step) -> BatchSpec:
     """The model's view of a scheduled step (models/ knows nothing of the scheduler's field names)."""
     return BatchSpec(query_lens=list(step.num_tokens), context_lens=list(step.context_lens),
                      state_slots=list(step.state_slots), block_tables=[list(t) for t in step.block_tables],
-                     block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices)
+                     block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices,
+                     captures=list(step.captures) or None)
 
 
 class ModelRunner:

@@ -39,6 +39,7 @@ state-slot copies.
 from __future__ import annotations
 
 import time
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -177,6 +178,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: set[Sequence] = set()  # the sequences in this step
         budget -= self._schedule_flushes(step, budget, now)
+        if self.prefix is not None:
+            self.prefix.protect(islice(self.waiting, cfg.max_num_seqs) if self.waiting else ())
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
@@ -197,7 +200,7 @@ class Scheduler:
                and (self.slots.can_allocate() if self.prefix is None else self.prefix.free_slot())):
             seq = self.waiting[0]
             if self.prefix is not None:  # starts from the longest cached prefix (slot and blocks taken)
-                n = self.prefix.admit(seq, budget, now, self._flushing)
+                n = self.prefix.admit(seq, budget, now, self._flushing, idle=not (self.running or step.seqs))
                 if n is None:
                     break
             else:
@@ -214,6 +217,11 @@ class Scheduler:
             step.add(seq, n)
             scheduled.add(seq)
             budget -= n
+        if self.prefix is not None:  # snapshots inside prefill chunks, once admissions found theirs
+            for i, seq in enumerate(step.seqs):
+                if i not in step.drafts and step.num_tokens[i] > 1:
+                    self.prefix.capture(seq, step, i, now)
+            self.prefix.protect(())
         step.slot_copies = self.slots.take_copies()
         step.block_copies = self.blocks.take_copies()
         step.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -223,8 +231,9 @@ class Scheduler:
     def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
              preempt_self: bool) -> int:
         """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
-        if self.prefix is not None:  # chunks end at snapshot positions; snapshots give way to running work
-            n = self.prefix.limit(seq, n)
+        if self.prefix is not None:  # verify entries end at snapshot positions; snapshots give way to running work
+            if preempt_self:
+                n = self.prefix.limit(seq, n)
             self.prefix.reclaim(self.blocks.blocks_missing(seq.block_table, seq.num_computed_tokens + n))
         while self.blocks.capacity(seq.block_table) <= seq.num_computed_tokens:
             victim = self._victim(seq, scheduled, preempt_self)
