@@ -65,12 +65,15 @@ class LLM:
                  enable_prefix_caching: bool = False, snapshot_interval: int | str | None = "auto",
                  prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
                  snapshot_repeat: bool = True, speculative_config: dict | None = None,
-                 weight_dtype: str | None = None, tensor_parallel_size: int = 1):
+                 weight_dtype: str | None = None, tensor_parallel_size: int = 1,
+                 snapshot_memory: int | str | None = None):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
         (snapshots at prompt length - 1 (`snapshot_repeat`), chat message ends, a prompt's
         `cache_prefix`, every `snapshot_interval` prompt tokens ("auto": adapted to the prompt);
-        eviction "marconi" or "lru"; kvstate.engine.prefix_admission).
+        eviction "marconi" or "lru"; kvstate.engine.prefix_admission); `snapshot_memory` (bytes or a
+        size such as "256MiB", out of `cache_memory`) bounds the snapshots' state slots (default: 2
+        per sequence within half the budget; `kvstate memory --snapshots N` shows what N cost).
         `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices.
         `tensor_parallel_size` N > 1: the model and its caches sharded over N processes (this one and
         N - 1 it spawns, gloo on 127.0.0.1; or torchrun's); `cache_memory` is then per process."""
@@ -97,7 +100,7 @@ class LLM:
                                  prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
                                  prefix_align=prefix_align, snapshot_repeat=snapshot_repeat,
                                  speculative_config=speculative_config,
-                                 runner_class=runner_class)
+                                 runner_class=runner_class, snapshot_memory=snapshot_memory)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
         self._warned_prompts: set[str] = set()  # prompt texts already warned about unknown words

@@ -59,15 +59,28 @@ def check_max_model_len(value, limit: int | None) -> int:
     return value
 
 
-def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None) -> int:
-    """Spare state slots for prefix-cache snapshots: `asked`, else 2 per sequence within half the budget."""
+def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None,
+                   memory: int | str | None = None) -> int:
+    """Spare state slots for prefix-cache snapshots: `asked`, or as many as `memory` bytes hold
+    (`--snapshot-memory`), else 2 per sequence within half the budget."""
     from kvstate.cache.spec import cache_spec
+    from kvstate.memory import parse_size, snapshots_within
 
+    if asked is not None and memory is not None:
+        raise KvstateError("give num_snapshot_slots or snapshot_memory, not both")
     if asked is not None:
         if asked < 0:
             raise KvstateError(f"num_snapshot_slots must be >= 0, got {asked}")
         return asked
     spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", conv_window=conv_window)
+    if memory is not None:
+        memory = parse_size(memory, "--snapshot-memory") if isinstance(memory, str) else memory
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+            raise KvstateError(f"--snapshot-memory must be a size in bytes >= 0, got {memory!r:.40}")
+        if memory > cache_bytes:
+            raise KvstateError(f"--snapshot-memory ({memory} bytes) is more than the cache budget "
+                               f"({cache_bytes} bytes)")
+        return snapshots_within(spec, memory)
     fit = (cache_bytes // 2) // spec.state_bytes if spec.state_bytes else 2 * max_num_seqs
     return max(1, min(2 * max_num_seqs, fit))
 
@@ -111,10 +124,11 @@ class EngineCore:
                  conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
                  snapshot_interval: int | str | None = "auto", prefix_eviction: str = "marconi", prefix_align: int = 1,
                  num_snapshot_slots: int | None = None, snapshot_repeat: bool = True, speculative_config=None,
-                 runner_class=None):
+                 runner_class=None, snapshot_memory: int | str | None = None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
+        budget as the KV blocks; or as many as `snapshot_memory` bytes hold (a size such as "256MiB").
+        `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
         `runner_class`: ModelRunner by default; tensor parallelism's rank-0 runner (kvstate.parallel.engine)."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
@@ -141,7 +155,7 @@ class EngineCore:
             cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()) // ranks, need)
         spare = 0
         if enable_prefix_caching:
-            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
+            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots, snapshot_memory)
         self.draft_cache_bytes = 0  # what a draft model's pools take out of cache_memory
         if draft is not None:
             fixed, per_token = draft

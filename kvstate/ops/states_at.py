@@ -36,15 +36,22 @@ def states_at(form: Callable, tokens: dict[str, torch.Tensor], *, positions: lis
     for r in range(max(len(c) for c in cuts) - 1):
         seqs = [i for i in range(n) if len(cuts[i]) - 1 > r]
         spans = [(cuts[i][r], cuts[i][r + 1]) for i in seqs]
-        rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(initial_state.device)
         cu = _tensor([0, *accumulate(b - a for a, b in spans)], initial_state.device)
         idx = torch.tensor(seqs, dtype=torch.int64, device=initial_state.device)
-        part = {name: t.index_select(1, rows) for name, t in tokens.items()}
+        if len(spans) == 1:  # one sequence's segment: contiguous rows, views (no gathered copies)
+            rows = slice(*spans[0])
+            part = {name: t[:, rows] for name, t in tokens.items()}
+        else:
+            rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(initial_state.device)
+            part = {name: t.index_select(1, rows) for name, t in tokens.items()}
         o, final = form(**part, initial_state=state.index_select(0, idx), output_final_state=True, cu_seqlens=cu,
                         **kw)
         if out is None:
             out = o.new_empty(o.shape[0], next(iter(tokens.values())).shape[1], *o.shape[2:])
-        out.index_copy_(1, rows, o)
+        if isinstance(rows, slice):
+            out[:, rows] = o
+        else:
+            out.index_copy_(1, rows, o)
         state.index_copy_(0, idx, final.to(state.dtype))
         for j, i in enumerate(seqs):
             if r < len(cuts[i]) - 2:  # this segment ends at a requested position

@@ -1,0 +1,44 @@
+"""MTP drafting on a cached prefix equals MTP drafting without one (vLLM's MTP with prefix caching
+loses accuracy: its issues 43559 and 47194). The head's KV at a position p is written from the
+target's hidden state h_p and the token at p + 1, so a request that resumes at p after another one
+that went on differently there must rewrite the head's row p - 1 with its own next token. On tiny
+Qwen3.5 and Qwen3-Next checkpoints with random MTP heads: a branch at a cache_prefix, a repeat and
+a chat turn that resumes at the previous reply's end give the same tokens, the same drafts and the
+same accepted counts as the engine without prefix caching, greedy and seeded."""
+
+import pytest
+import torch
+
+from kvstate import SamplingParams
+from tests.engine.test_mtp import FAMILIES, VOCAB, mtp_llm
+from tests.models.checks import random_ids, redraw_weights
+from tests.models.mtp_checkpoint import add_mtp
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def path(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    hf = FAMILIES[request.param]().eval()
+    redraw_weights(hf, 0)
+    hf.save_pretrained(out)
+    add_mtp(out)
+    return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, top_k=8, seed=5, max_tokens=8, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_mtp_on_a_cached_prefix_equals_mtp_without_one(path, params):
+    plain, cached = mtp_llm(path, 2), mtp_llm(path, 2, enable_prefix_caching=True)
+    doc = random_ids(VOCAB, 21, 1)
+    first = doc + random_ids(VOCAB, 6, 2)
+    branch = doc + random_ids(VOCAB, 7, 3)  # leaves `first` right after the cache_prefix
+    cached.generate([{"prompt_token_ids": first, "cache_prefix": len(doc)}], params)
+    turn1 = plain.generate([first], params)[0]
+    for prompt in (branch, first, first + turn1.token_ids + random_ids(VOCAB, 4, 4)):
+        want, got = plain.generate([prompt], params)[0], cached.generate([prompt], params)[0]
+        assert got.num_cached_tokens > 0, prompt
+        assert got.token_ids == want.token_ids
+        assert (got.metrics["num_draft_tokens"], got.metrics["num_accepted_tokens"]) == \
+            (want.metrics["num_draft_tokens"], want.metrics["num_accepted_tokens"])
