@@ -56,6 +56,10 @@ class ModelRunner:
         self.keep_hidden = mtp
         self.hidden: torch.Tensor | None = None  # [T, hidden] of the last step, with keep_hidden
         self.hidden_batch: Batch | None = None  # the step `hidden` came from (its token_offsets: each entry's rows)
+        # with keep_hidden: per state slot, the hidden state of the last token folded into its state
+        # (copied with the slot), so a request resuming from a snapshot has h_{p-1} for the MTP head
+        self.slot_hidden: torch.Tensor | None = None  # [num_slots, H]
+        self.resumed_hidden: dict[int, torch.Tensor] = {}  # this step's resumed entries -> h_{p-1} [H]
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -64,6 +68,7 @@ class ModelRunner:
         state = sum(c.nbytes(("state", "conv")) for c in self.caches)
         return {"kv": kv, "state": state}
 
+    @torch.inference_mode()
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole state slots (src -> dst) in every linear layer."""
         for src, dst in copies:
@@ -71,6 +76,8 @@ class ModelRunner:
                 for t in (c.state, c.conv):
                     if t is not None:
                         t[dst].copy_(t[src])
+            if self.slot_hidden is not None:
+                self.slot_hidden[dst].copy_(self.slot_hidden[src])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (src -> dst) in every attention layer (copy-on-write of a cached partial block)."""
@@ -91,6 +98,7 @@ class ModelRunner:
             if self.keep_hidden:
                 logits, self.hidden = self.model(ids, batch, self.caches, hidden=True)
                 self.hidden_batch = batch
+                self._keep_slot_hidden(batch)
             else:  # only the sampled entries' rows reach the LM head
                 logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None
@@ -104,6 +112,20 @@ class ModelRunner:
         if self.rollback is not None:
             keep_states(self.rollback, kept)
             self.rollback = None
+        if self.slot_hidden is not None and kept:
+            offsets, slots = self.hidden_batch.token_offsets, self.hidden_batch.state_slots
+            for i, k in kept.items():
+                self.slot_hidden[slots[i]].copy_(self.hidden[offsets[i] + k - 1])
+
+    def _keep_slot_hidden(self, batch: Batch) -> None:
+        """Each entry's slot: the hidden state of its last token; each capture's slot: of its k-th token."""
+        if self.slot_hidden is None:
+            self.slot_hidden = self.hidden.new_zeros(self.sizes.num_slots, self.hidden.shape[-1])
+        last = torch.tensor(batch.token_offsets[1:], device=self.hidden.device) - 1
+        self.slot_hidden.index_copy_(0, batch.state_slots, self.hidden.index_select(0, last))
+        for e, caps in batch.captures.items():
+            for k, slot in caps:
+                self.slot_hidden[slot].copy_(self.hidden[batch.token_offsets[e] + k - 1])
 
     @timed("runner")
     def execute(self, step) -> SampleOutput:
@@ -112,6 +134,8 @@ class ModelRunner:
         self.generators.drop(step.finished_request_ids)
         self.copy_slots(step.slot_copies)
         self.copy_blocks(step.block_copies)
+        self.resumed_hidden = {} if self.slot_hidden is None else \
+            {i: self.slot_hidden[step.state_slots[i]].clone() for i in step.resumed}
         if step.is_empty:
             return SampleOutput([], [], [])
         logits = self.run(batch_spec(step), step.input_ids())

@@ -215,6 +215,8 @@ class Scheduler:
                 seq.first_scheduled_time = now
             self.running.append(seq)
             step.add(seq, n)
+            if seq.num_computed_tokens:  # resumed from a prefix-cache snapshot
+                step.resumed.append(len(step.seqs) - 1)
             scheduled.add(seq)
             budget -= n
         if self.prefix is not None:  # snapshots inside prefill chunks, once admissions found theirs

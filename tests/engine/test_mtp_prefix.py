@@ -26,6 +26,31 @@ def path(request, tmp_path_factory):
     return out
 
 
+def head_kv_after_prefill(llm, prompt) -> torch.Tensor:
+    """The head's K at positions 0 .. len - 2 of `prompt` after its prefill step (then run to its end)."""
+    llm.engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    llm.engine.step()
+    seq = next(s for s in llm.engine.scheduler.running if s.request_id == "probe")
+    cache, bs = llm.engine.runner.caches[-1], llm.engine.runner.block_size
+    k = torch.stack([cache.k[seq.block_table[p // bs]][p % bs] for p in range(len(prompt) - 1)])
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    return k
+
+
+def test_a_resumed_request_rewrites_the_heads_row_before_the_snapshot(path):
+    plain, cached = mtp_llm(path, 2), mtp_llm(path, 2, enable_prefix_caching=True)
+    doc, greedy = random_ids(VOCAB, 21, 1), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = doc + random_ids(VOCAB, 6, 2)
+    reply = cached.generate([{"prompt_token_ids": first, "cache_prefix": len(doc)}], greedy)[0].token_ids
+    # a branch right after the cache_prefix; the next turn after the reply's end (its row p - 1 never written)
+    for prompt, p in ((doc + random_ids(VOCAB, 7, 3), len(doc)), (first + reply + random_ids(VOCAB, 3, 4), 30)):
+        before = cached.stats()["prefix_cached_tokens"]
+        want, got = head_kv_after_prefill(plain, prompt), head_kv_after_prefill(cached, prompt)
+        assert cached.stats()["prefix_cached_tokens"] - before == p
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().amax(dim=tuple(range(1, got.dim())))
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                     SamplingParams(temperature=1.0, top_k=8, seed=5, max_tokens=8, ignore_eos=True)],
                          ids=["greedy", "seeded"])
