@@ -41,6 +41,9 @@ class RecurrentOps:
 
     chunk: Callable  # prefill: cu_seqlens, initial_state, output_final_state
     recurrent: Callable  # decode: one token per sequence, the pool's rows updated (state_indices, inplace_final_state)
+    # whether `chunk` takes state_positions and returns those states from its own scan (else
+    # ops.states_at runs it over the segments between them)
+    chunk_positions: bool = False
 
 
 def clear_fresh(pool: torch.Tensor, group) -> None:
@@ -189,9 +192,14 @@ def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs:
         o, state = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
                              cu_seqlens=group.cu_seqlens)
     else:
-        lens = [batch.query_lens[e] for e in group.entries]
-        o, state, states = states_at(ops.chunk, xs, positions=[[k for k, _ in c] for c in caps],
-                                     initial_state=_rows(pool, group), cu_seqlens=[0, *accumulate(lens)], **kwargs)
+        positions = [[k for k, _ in c] for c in caps]
+        if ops.chunk_positions:
+            o, state, states = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
+                                         cu_seqlens=group.cu_seqlens, state_positions=positions)
+        else:
+            lens = [batch.query_lens[e] for e in group.entries]
+            o, state, states = states_at(ops.chunk, xs, positions=positions, initial_state=_rows(pool, group),
+                                         cu_seqlens=[0, *accumulate(lens)], **kwargs)
         for c, got in zip(caps, states):
             for (_, slot), s in zip(c, got):
                 pool[slot].copy_(s)

@@ -179,24 +179,33 @@ def split_heads(flat: FlatInputs, h0: int, h1: int) -> FlatInputs:
                                                                        flat.out_shape[3]))
 
 
-def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, **kernel_kw):
+def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, captures: list | None = None, **kernel_kw):
     """Run kernel(flat, o_dst, s_dst, output_final_state, grad=..., **kernel_kw) -> (o [tot, HV, V],
     final or None), in parallel over key-head groups when the call is big enough and autograd does
-    not record (kvstate/ops/_threads.py).
+    not record (kvstate/ops/_threads.py). `captures` [(sequence, p)]: the kernel also writes the
+    state after each sequence's first p tokens into `c_dst` [len(captures), HV, K, V].
 
-    Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None).
+    Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None[, the captured states]).
     """
     h, hv, dk, dv = flat.dims
     grad = needs_grad(flat.q, flat.k, flat.v, flat.g, flat.beta, flat.s0)
+    dev = flat.q.device
+    cap = None
+    if captures:
+        if grad:
+            raise ValueError("states at positions are an inference feature (no autograd)")
+        cap = torch.empty(len(captures), hv, dk, dv, dtype=flat.acc, device=dev)
+        kernel_kw = dict(kernel_kw, captures=captures)
     kernel = partial(kernel, grad=grad, **kernel_kw)
     with _threads.scope(flat.q.shape[0] * hv * dk * dv, h, serial=not grad) as n_work:
         if n_work == 1:
-            o, final = kernel(flat, None, None, output_final_state)
-            return o.to(flat.dtype).view(flat.out_shape), final
-        grp, dev = hv // h, flat.q.device
+            o, final = kernel(flat, None, None, output_final_state, **({} if cap is None else {"c_dst": cap}))
+            return (o.to(flat.dtype).view(flat.out_shape), final) + (() if cap is None else (cap,))
+        grp = hv // h
         o = torch.empty(flat.q.shape[0], hv, dv, dtype=flat.dtype, device=dev)
         final = torch.empty(flat.n_seq, hv, dk, dv, dtype=flat.acc, device=dev) if output_final_state else None
         _threads.run([partial(kernel, split_heads(flat, a, b), o[:, a * grp:b * grp],
-                              None if final is None else final[:, a * grp:b * grp], output_final_state)
+                              None if final is None else final[:, a * grp:b * grp], output_final_state,
+                              **({} if cap is None else {"c_dst": cap[:, a * grp:b * grp]}))
                       for a, b in _threads.split(h, n_work)])
-    return o.view(flat.out_shape), final
+    return (o.view(flat.out_shape), final) + (() if cap is None else (cap,))

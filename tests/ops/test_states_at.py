@@ -80,3 +80,31 @@ def test_conv_windows_at_equal_the_window_after_those_tokens(width):
     for p in (1, 2, 3, 7, 19):
         _, after = causal_conv1d(x[None, :p], w, None, initial_state=window[None], output_final_state=True)
         assert torch.allclose(conv_windows_at(window, x, [p])[0], after[0, :, -width:])
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-thread", "head-split"])
+@pytest.mark.parametrize("decay", [True, False])
+def test_gated_delta_rule_chunk_returns_states_from_its_own_scan(split, decay, monkeypatch):
+    """chunk_gated_delta_rule(state_positions=): at chunk boundaries (32, 64) the carried state, inside
+    a chunk a partial step; equal to the recurrent form's state after those tokens, with the output
+    and final state of the call without positions (also when key heads are split over workers)."""
+    from kvstate.ops import _threads
+
+    if split:
+        monkeypatch.setattr(_threads, "MIN_WORK", 0)
+    (_, chunk, recurrent), tokens, kw, s0 = case("gated_deltanet")
+    if not decay:
+        tokens["g"] = torch.zeros_like(tokens["g"])
+    cu = torch.tensor([0, LENS[0], LENS[0] + LENS[1], sum(LENS)])
+    o_ref, final_ref = chunk(**tokens, **kw, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    _, _, every = recurrent(**tokens, **kw, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                            output_all_states=True)
+    o, final, states = chunk(**tokens, **kw, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                             state_positions=POSITIONS)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    for i, ps in enumerate(POSITIONS):
+        assert len(states[i]) == len(ps)
+        for p, state in zip(ps, states[i]):
+            assert rel(state, every[0, int(cu[i]) + p - 1]) <= 1e-4, (i, p)
+    with pytest.raises(ValueError, match="state_positions"):
+        chunk(**tokens, **kw, initial_state=s0, cu_seqlens=cu, state_positions=[[50], [], []])
