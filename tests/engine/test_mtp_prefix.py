@@ -10,19 +10,14 @@ import pytest
 import torch
 
 from kvstate import SamplingParams
-from tests.engine.test_mtp import FAMILIES, VOCAB, mtp_llm
-from tests.models.checks import random_ids, redraw_weights
-from tests.models.mtp_checkpoint import add_mtp
+from tests.engine.test_mtp import VOCAB, mtp_llm, save_mtp_checkpoint
+from tests.models.checks import random_ids
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
 def path(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().eval()
-    redraw_weights(hf, 0)
-    hf.save_pretrained(out)
-    add_mtp(out)
+    save_mtp_checkpoint(request.param, out)
     return out
 
 
