@@ -209,3 +209,50 @@ def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, captures: l
                               **({} if cap is None else {"c_dst": cap[:, a * grp:b * grp]}))
                       for a, b in _threads.split(h, n_work)])
     return (o.view(flat.out_shape), final) + (() if cap is None else (cap,))
+
+
+def run_at(flat: FlatInputs, kernel, state_positions: list[list[int]] | None, *, output_final_state: bool,
+           **kernel_kw):
+    """`run_split`, and with `state_positions` (per sequence, token counts 0 < p < its length) also the
+    states there, per sequence a list of [HV, K, V], written by the kernel's own scan (`captures`)."""
+    if state_positions is None:
+        return run_split(flat, kernel, output_final_state=output_final_state, **kernel_kw)
+    captures = [(i, p) for i, ps in enumerate(state_positions) for p in ps]
+    if any(not 0 < p < flat.lens[i] for i, p in captures):
+        raise ValueError(f"state_positions must lie inside their sequences (lengths {flat.lens})")
+    if not captures:
+        return (*run_split(flat, kernel, output_final_state=output_final_state, **kernel_kw),
+                [[] for _ in state_positions])
+    o, final, cap = run_split(flat, kernel, output_final_state=output_final_state, captures=captures, **kernel_kw)
+    states, n = [], 0
+    for ps in state_positions:
+        states.append(list(cap[n:n + len(ps)]))
+        n += len(ps)
+    return o, final, states
+
+
+def capture_plan(lay, captures: list | None) -> dict[int, list[tuple[int, int, int]]]:
+    """{first slot of step j: [(rank, offset o, capture index)]}: the state after p tokens is the
+    state entering chunk j = p // C advanced by its first o = p % C tokens."""
+    plan: dict[int, list[tuple[int, int, int]]] = {}
+    for index, (seq, p) in enumerate(captures or ()):
+        j, o = divmod(p, lay.chunk)
+        plan.setdefault(lay.steps[j][0], []).append((int(lay.rank[seq]), o, index))
+    return plan
+
+
+def partial_state(s: torch.Tensor, k: torch.Tensor, b: torch.Tensor | None, vn: torch.Tensor, o: int,
+                  grp: int) -> torch.Tensor:
+    """The state after the first o tokens of a chunk: s [HV, K, V] entering it, k [H, C, K] its keys,
+    b [H, G, C] cumulative log decays (None: no decay), vn [HV, C, V] the deltas written.
+    S_o = e^{b_o} s + sum_{t<o} e^{b_o - b_t} k_t vn_t^T (per value head; o = 0: s itself)."""
+    if o == 0:
+        return s.clone()
+    h, c, dk = k.shape
+    kt = k[:, None, :o].expand(h, grp, o, dk)  # [H, G, o, K]: a key head serves its group of value heads
+    if b is None:
+        return torch.baddbmm(s, kt.reshape(h * grp, o, dk).transpose(1, 2), vn[:, :o])
+    last = b[..., o - 1:o]  # [H, G, 1]
+    kd = kt * (last - b[..., :o]).exp().unsqueeze(-1)  # keys decayed to token o
+    return torch.baddbmm(s * last.exp().reshape(h * grp, 1, 1), kd.reshape(h * grp, o, dk).transpose(1, 2),
+                         vn[:, :o])

@@ -83,16 +83,17 @@ def test_conv_windows_at_equal_the_window_after_those_tokens(width):
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-thread", "head-split"])
-@pytest.mark.parametrize("decay", [True, False])
-def test_gated_delta_rule_chunk_returns_states_from_its_own_scan(split, decay, monkeypatch):
-    """chunk_gated_delta_rule(state_positions=): at chunk boundaries (32, 64) the carried state, inside
-    a chunk a partial step; equal to the recurrent form's state after those tokens, with the output
-    and final state of the call without positions (also when key heads are split over workers)."""
+@pytest.mark.parametrize("name,decay", [("gated_deltanet", True), ("gated_deltanet", False), ("ssd", True)])
+def test_chunk_forms_return_states_from_their_own_scan(name, decay, split, monkeypatch):
+    """chunk_gated_delta_rule and chunk_ssd (over chunk_gated_linear_attention) with state_positions:
+    at chunk boundaries (32, 64) the carried state, inside a chunk a partial step; equal to the
+    recurrent form's state after those tokens, with the output and final state of the call without
+    positions (also when key heads are split over workers)."""
     from kvstate.ops import _threads
 
     if split:
         monkeypatch.setattr(_threads, "MIN_WORK", 0)
-    (_, chunk, recurrent), tokens, kw, s0 = case("gated_deltanet")
+    (_, chunk, recurrent), tokens, kw, s0 = case(name)
     if not decay:
         tokens["g"] = torch.zeros_like(tokens["g"])
     cu = torch.tensor([0, LENS[0], LENS[0] + LENS[1], sum(LENS)])

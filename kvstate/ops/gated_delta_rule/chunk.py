@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.ops._chunk_delta import ChunkScan, decay_mask, run_split
+from kvstate.ops._chunk_delta import ChunkScan, capture_plan, decay_mask, partial_state, run_at
 from kvstate.ops._inputs import FlatInputs, prepare
 
 BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
@@ -42,23 +42,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
     """
     flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True)
-    if state_positions is None:
-        return run_split(flat, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
-                         chunk_size=chunk_size)
-    captures = [(i, p) for i, ps in enumerate(state_positions) for p in ps]
-    if any(not 0 < p < flat.lens[i] for i, p in captures):
-        raise ValueError(f"state_positions must lie inside their sequences (lengths {flat.lens})")
-    if not captures:
-        o, final = run_split(flat, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
-                             chunk_size=chunk_size)
-        return o, final, [[] for _ in state_positions]
-    o, final, cap = run_split(flat, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
-                              chunk_size=chunk_size, captures=captures)
-    states, n = [], 0
-    for ps in state_positions:
-        states.append(list(cap[n:n + len(ps)]))
-        n += len(ps)
-    return o, final, states
+    return run_at(flat, chunk_delta, state_positions, output_final_state=output_final_state,
+                  l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
 
 
 def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool,
@@ -128,29 +113,3 @@ def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2:
         scan.carry.run(s0, steps, step, wq, u, kd, attn, dec, kb, bb)
     return scan.result(output_final_state)
 
-
-def capture_plan(lay, captures: list | None) -> dict[int, list[tuple[int, int, int]]]:
-    """{first slot of step j: [(rank, offset o, capture index)]}: the state after p tokens is the
-    state entering chunk j = p // C advanced by its first o = p % C tokens."""
-    plan: dict[int, list[tuple[int, int, int]]] = {}
-    for index, (seq, p) in enumerate(captures or ()):
-        j, o = divmod(p, lay.chunk)
-        plan.setdefault(lay.steps[j][0], []).append((int(lay.rank[seq]), o, index))
-    return plan
-
-
-def partial_state(s: torch.Tensor, k: torch.Tensor, b: torch.Tensor | None, vn: torch.Tensor, o: int,
-                  grp: int) -> torch.Tensor:
-    """The state after the first o tokens of a chunk: s [HV, K, V] entering it, k [H, C, K] its keys,
-    b [H, G, C] cumulative log decays (None: no decay), vn [HV, C, V] the deltas written.
-    S_o = e^{b_o} s + sum_{t<o} e^{b_o - b_t} k_t vn_t^T (per value head; o = 0: s itself)."""
-    if o == 0:
-        return s.clone()
-    h, c, dk = k.shape
-    kt = k[:, None, :o].expand(h, grp, o, dk)  # [H, G, o, K]: a key head serves its group of value heads
-    if b is None:
-        return torch.baddbmm(s, kt.reshape(h * grp, o, dk).transpose(1, 2), vn[:, :o])
-    last = b[..., o - 1:o]  # [H, G, 1]
-    kd = kt * (last - b[..., :o]).exp().unsqueeze(-1)  # keys decayed to token o
-    return torch.baddbmm(s * last.exp().reshape(h * grp, 1, 1), kd.reshape(h * grp, o, dk).transpose(1, 2),
-                         vn[:, :o])
