@@ -224,11 +224,16 @@ def run_at(flat: FlatInputs, kernel, state_positions: list[list[int]] | None, *,
         return (*run_split(flat, kernel, output_final_state=output_final_state, **kernel_kw),
                 [[] for _ in state_positions])
     o, final, cap = run_split(flat, kernel, output_final_state=output_final_state, captures=captures, **kernel_kw)
+    return o, final, per_sequence(cap, state_positions)
+
+
+def per_sequence(cap: torch.Tensor, state_positions: list[list[int]]) -> list[list[torch.Tensor]]:
+    """Captured states [n, ...] in (sequence, position) order -> per sequence the list of its states."""
     states, n = [], 0
     for ps in state_positions:
         states.append(list(cap[n:n + len(ps)]))
         n += len(ps)
-    return o, final, states
+    return states
 
 
 def capture_plan(lay, captures: list | None) -> dict[int, list[tuple[int, int, int]]]:

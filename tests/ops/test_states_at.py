@@ -83,9 +83,10 @@ def test_conv_windows_at_equal_the_window_after_those_tokens(width):
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-thread", "head-split"])
-@pytest.mark.parametrize("name,decay", [("gated_deltanet", True), ("gated_deltanet", False), ("ssd", True)])
+@pytest.mark.parametrize("name,decay", [("gated_deltanet", True), ("gated_deltanet", False), ("ssd", True),
+                                        ("kda", True)])
 def test_chunk_forms_return_states_from_their_own_scan(name, decay, split, monkeypatch):
-    """chunk_gated_delta_rule and chunk_ssd (over chunk_gated_linear_attention) with state_positions:
+    """chunk_gated_delta_rule, chunk_kda and chunk_ssd (over chunk_gated_linear_attention) with state_positions:
     at chunk boundaries (32, 64) the carried state, inside a chunk a partial step; equal to the
     recurrent form's state after those tokens, with the output and final state of the call without
     positions (also when key heads are split over workers)."""
