@@ -179,7 +179,8 @@ class Scheduler:
         scheduled: set[Sequence] = set()  # the sequences in this step
         budget -= self._schedule_flushes(step, budget, now)
         if self.prefix is not None:
-            self.prefix.protect(islice(self.waiting, cfg.max_num_seqs) if self.waiting else ())
+            room = cfg.max_num_seqs - len(self.running)  # the waiting requests this step may admit
+            self.prefix.protect(islice(self.waiting, room) if self.waiting and room > 0 else ())
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
