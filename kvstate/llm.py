@@ -5,7 +5,7 @@
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi"}], {"max_tokens": 32})
 
-It turns prompts (text, token ids, or {"prompt_token_ids": ...} dicts) and params (SamplingParams
+It turns prompts (text, token ids, or dicts of PROMPT_KEYS) and params (SamplingParams
 or dicts) into engine requests, one per sample, and routes what every `EngineCore.step()`
 returns to the collector of its prompt. Whichever `generate`/`stream` iterator steps the engine,
 every request's events reach their own iterator. A bad prompt or bad params fail that prompt
@@ -24,6 +24,10 @@ from kvstate.engine.core import EngineCore
 from kvstate.engine.outputs import EngineOutput, RequestOutput, StreamEvent
 from kvstate.engine.params import SamplingParams
 from kvstate.errors import KvstateError, UnknownTokenWarning
+
+# what a prompt dict may hold: "prompt" (text), "prompt_token_ids", "cache_prefix" (where prefix
+# caching keeps a state snapshot), "cache_salt" (shares the cache only with the same salt)
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_prefix", "cache_salt")
 
 
 def cache_prefix_points(tokenizer, value, ids: list[int]) -> dict[int, str]:
@@ -48,6 +52,12 @@ def cache_prefix_points(tokenizer, value, ids: list[int]) -> dict[int, str]:
     return out
 
 
+def check_salt(salt) -> None:
+    """A cache_salt is None or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise KvstateError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
@@ -55,12 +65,15 @@ class LLM:
                  enable_prefix_caching: bool = False, snapshot_interval: int | str | None = "auto",
                  prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
                  snapshot_repeat: bool = True, speculative_config: dict | None = None,
-                 weight_dtype: str | None = None, tensor_parallel_size: int = 1):
+                 weight_dtype: str | None = None, tensor_parallel_size: int = 1,
+                 snapshot_memory: int | str | None = None):
         """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
         `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
         (snapshots at prompt length - 1 (`snapshot_repeat`), chat message ends, a prompt's
         `cache_prefix`, every `snapshot_interval` prompt tokens ("auto": adapted to the prompt);
-        eviction "marconi" or "lru"; kvstate.engine.prefix_admission).
+        eviction "marconi" or "lru"; kvstate.engine.prefix_admission); `snapshot_memory` (bytes or a
+        size such as "256MiB", out of `cache_memory`) bounds the snapshots' state slots (default: 2
+        per sequence within half the budget; `kvstate memory --snapshots N` shows what N cost).
         `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices.
         `tensor_parallel_size` N > 1: the model and its caches sharded over N processes (this one and
         N - 1 it spawns, gloo on 127.0.0.1; or torchrun's); `cache_memory` is then per process."""
@@ -87,7 +100,7 @@ class LLM:
                                  prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
                                  prefix_align=prefix_align, snapshot_repeat=snapshot_repeat,
                                  speculative_config=speculative_config,
-                                 runner_class=runner_class)
+                                 runner_class=runner_class, snapshot_memory=snapshot_memory)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
         self._warned_prompts: set[str] = set()  # prompt texts already warned about unknown words
@@ -115,18 +128,21 @@ class LLM:
         return self.engine.stats()
 
     # -- the API ---------------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, *, cache_salt: str | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in the order given.
-        `sampling_params`: a SamplingParams or dict for all, or a list with one per prompt."""
-        return [ev.output for ev in self._run(self._submit(prompts, sampling_params)) if ev.finished]
+        `sampling_params`: a SamplingParams or dict for all, or a list with one per prompt.
+        `cache_salt`: with prefix caching, these prompts share cached blocks and snapshots only with
+        requests of the same salt (a prompt dict's own "cache_salt" takes precedence)."""
+        return [ev.output for ev in self._run(self._submit(prompts, sampling_params, salt=cache_salt)) if ev.finished]
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[StreamEvent]:
+    def stream(self, prompts, sampling_params=None, *, cache_salt: str | None = None) -> Iterator[StreamEvent]:
         """Yield every new token of every request as it comes; each prompt's last event carries its
         output. The closing events come in prompt order (one finishing early waits for those before
-        it). Closing the iterator early aborts its unfinished requests."""
-        return self._run(self._submit(prompts, sampling_params))
+        it). Closing the iterator early aborts its unfinished requests. `cache_salt`: as `generate`."""
+        return self._run(self._submit(prompts, sampling_params, salt=cache_salt))
 
-    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt: bool = True,
+             cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
         them, rendered with the checkpoint's chat template (its special tokens are in the text).
         With prefix caching the state is kept where each message ends (a later conversation that
@@ -144,12 +160,14 @@ class LLM:
             if self.engine.scheduler.prefix is not None:
                 ends = self.tokenizer.message_ends(list(conversation), ids, add_generation_prompt=add_generation_prompt)
             hints.append(dict.fromkeys(ends, "chat"))
-        collectors = self._submit(prompts, sampling_params, hints)
+        collectors = self._submit(prompts, sampling_params, hints, salt=cache_salt)
         return [ev.output for ev in self._run(collectors) if ev.finished]
 
     # -- requests in -----------------------------------------------------------------------------
-    def _submit(self, prompts, sampling_params, hints: list[dict] | None = None) -> list[RequestCollector]:
-        """`hints`: per prompt, {position: kind} where prefix caching keeps a snapshot (chat message ends)."""
+    def _submit(self, prompts, sampling_params, hints: list[dict] | None = None,
+                salt: str | None = None) -> list[RequestCollector]:
+        """`hints`: per prompt, {position: kind} where prefix caching keeps a snapshot (chat message ends);
+        `salt`: the cache_salt of prompts whose dict names none."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and isinstance(prompts[0], int) and not isinstance(prompts[0], bool)):
             prompts = [prompts]
@@ -168,6 +186,8 @@ class LLM:
                 text, ids = self._prompt(prompt)
                 value = prompt.get("cache_prefix") if isinstance(prompt, dict) else None
                 points = {**(hints[index] if hints else {}), **cache_prefix_points(self.tokenizer, value, ids)}
+                cache_salt = prompt.get("cache_salt", salt) if isinstance(prompt, dict) else salt
+                check_salt(cache_salt)
             except KvstateError as exc:
                 collectors.append(RequestCollector.failed(index, request_id, prompt, str(exc)))
                 continue
@@ -175,13 +195,18 @@ class LLM:
             for k in range(sp.n):
                 child = request_id if sp.n == 1 else (request_id, k)
                 self._routes[child] = (collector, k)
-                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k), snapshot_hints=points)
+                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k), snapshot_hints=points,
+                                        cache_salt=cache_salt)
             collectors.append(collector)
         return collectors
 
     def _prompt(self, prompt) -> tuple[str | None, object]:
         """(prompt text or None, token ids as given: the scheduler checks them one by one)."""
         if isinstance(prompt, dict):
+            unknown = [k for k in prompt if k not in PROMPT_KEYS]
+            if unknown:
+                raise KvstateError(f"unknown prompt key {unknown[0]!r:.40}: a prompt dict takes "
+                                   f"{', '.join(PROMPT_KEYS)}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), prompt["prompt_token_ids"]
             prompt = prompt.get("prompt")

@@ -105,6 +105,21 @@ def summary(plan: ModelPlan, spec: CacheSpec, contexts: tuple[int, ...] = DEFAUL
     }
 
 
+def snapshot_bytes(spec: CacheSpec, count: int, block_size: int = 16) -> dict:
+    """What `count` prefix-cache snapshots cost (kvstate.engine.prefix_cache): each holds one state
+    slot (every linear layer's recurrent state and conv window), and at most one partial KV block
+    of `block_size` tokens (the one its position falls in; none at a block boundary), which comes
+    out of the KV pool."""
+    state, block = count * spec.state_bytes, count * block_size * spec.kv_bytes_per_token
+    return {"count": count, "block_size": block_size, "state_bytes": state, "partial_kv_bytes_max": block,
+            "total_bytes_max": state + block}
+
+
+def snapshots_within(spec: CacheSpec, budget: int) -> int:
+    """How many snapshots' state slots fit in `budget` bytes (`--snapshot-memory`)."""
+    return budget // spec.state_bytes if spec.state_bytes else 0
+
+
 def checkpoint_weight_bytes(directory: str | Path) -> int | None:
     """Total size of the *.safetensors files in a checkpoint directory (None if there are none)."""
     files = sorted(Path(directory).glob("*.safetensors"))

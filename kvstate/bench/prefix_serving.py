@@ -119,7 +119,8 @@ def run_workloads(model, plan, shape: dict, seed: int, progress=None, done=None)
 def summarize(rows: list[dict], core) -> dict:
     second = rows[1]
     stats = core.stats()
-    return {"computed": sum(r["prompt"] - r["cached"] for r in rows),
+    misses = {k.removeprefix("prefix_misses_"): v for k, v in stats.items() if k.startswith("prefix_misses_") and v}
+    return {"computed": sum(r["prompt"] - r["cached"] for r in rows), "misses": misses,
             "second_computed": second["prompt"] - second["cached"], "second_own": second["own"],
             "ttft_first_ms": 1000 * rows[0]["ttft"], "ttft_second_ms": 1000 * second["ttft"],
             "ttft_speedup": rows[0]["ttft"] / second["ttft"],

@@ -34,6 +34,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="conv columns kept per request: kernel (transformers, default) or kernel-1 (vLLM)")
     parser.add_argument("--layers", action="store_true", help="per-layer breakdown and a layer bar")
     parser.add_argument("--json", action="store_true", help="exact byte counts as JSON")
+    parser.add_argument("--snapshots", type=count_arg, metavar="N",
+                        help="also show what N prefix-cache snapshots cost (a state slot each, at most one "
+                             "partial KV block of --block-size tokens each); --snapshot-memory bounds them in serve")
+    parser.add_argument("--block-size", type=count_arg, default=16,
+                        help="tokens per KV block, for --snapshots (default 16)")
     parser.add_argument("--gpu-memory", metavar="SIZE",
                         help="GPU memory, e.g. 80GiB: requests that fit after the weights, longest context")
     parser.add_argument("--plot", metavar="FILE", help="write a log-log chart of cache vs context (.png or .svg)")
@@ -68,7 +73,7 @@ def _load(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from kvstate.cache.spec import ENGINE_POOL_DTYPES
-    from kvstate.memory import fit, parse_size, summary
+    from kvstate.memory import fit, parse_size, snapshot_bytes, summary
 
     contexts, models = _load(args)
     if not models:
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
                 obj["mtp_kv_bytes_per_token"] = _mtp_kv_bytes(args, plan, spec)
             if args.layers:
                 obj["per_layer"] = [e.to_json() for e in spec.entries]
+            if args.snapshots:
+                obj["snapshots"] = snapshot_bytes(spec, args.snapshots, args.block_size)
             out.append(obj)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -183,6 +190,14 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
     notes += _engine_note(models)
     if beyond:
         notes.append("* longer than the model's max_position_embeddings")
+    if args.snapshots:
+        from kvstate.memory import snapshot_bytes
+
+        for _, plan, spec in models:
+            s = snapshot_bytes(spec, args.snapshots, args.block_size)
+            notes.append(f"{plan.name}: {args.snapshots} prefix-cache snapshot{'s' * (args.snapshots != 1)}: "
+                         f"{fb(s['state_bytes'])} of state slots + up to {fb(s['partial_kv_bytes_max'])} of partial "
+                         f"KV blocks ({args.block_size} tokens) = at most {fb(s['total_bytes_max'])}")
     for _, plan, spec in models:
         if plan.mtp:
             notes.append(f"{plan.name}: its MTP block adds {fb(_mtp_kv_bytes(args, plan, spec))} KV / token "

@@ -73,6 +73,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot-interval", type=_interval, default="auto", metavar="N",
                         help="with prefix caching, also snapshot the state every N prompt tokens; 'auto': 256, "
                              "doubled until a prompt holds at most 8 (default: auto)")
+    parser.add_argument("--snapshot-memory", default=None, metavar="SIZE",
+                        help="with prefix caching, the bytes of --cache-memory that state snapshots may hold "
+                             "(e.g. 256MiB; `kvstate memory MODEL --snapshots N` shows what N cost; default: "
+                             "2 per --max-num-seqs within half of --cache-memory)")
     add_spec_args(parser)
     parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
                         help="seed of the requests that give none (default: fresh randomness)")
@@ -210,6 +214,7 @@ def _app(args: argparse.Namespace, model):
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype,
                   enable_prefix_caching=args.enable_prefix_caching, snapshot_interval=args.snapshot_interval,
+                  snapshot_memory=args.snapshot_memory,
                   speculative_config=spec, tensor_parallel_size=args.tp)
     if args.served_model_name:
         name = args.served_model_name

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvstate.engine.cache_report import merge_reports
 from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput, StreamEvent, merge_metrics
 
 
@@ -55,4 +56,5 @@ class RequestCollector:
         return RequestOutput(self.request_id, self.prompt, list(ids), outputs, error=error,
                              metrics=merge_metrics([p.metrics for p in parts]),
                              num_cached_tokens=min(cached) if cached else None,
-                             prompt_logprobs=parts[0].prompt_logprobs)
+                             prompt_logprobs=parts[0].prompt_logprobs,
+                             cache_report=merge_reports([p.cache_report for p in parts]))

@@ -16,7 +16,9 @@ user-API state (prompt texts, n-sample grouping, stream iterators).
 from __future__ import annotations
 
 import operator
+from collections import deque
 
+from kvstate.engine.cache_report import CacheReport
 from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.scheduler import Scheduler, SchedulerConfig
@@ -57,15 +59,28 @@ def check_max_model_len(value, limit: int | None) -> int:
     return value
 
 
-def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None) -> int:
-    """Spare state slots for prefix-cache snapshots: `asked`, else 2 per sequence within half the budget."""
+def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None,
+                   memory: int | str | None = None) -> int:
+    """Spare state slots for prefix-cache snapshots: `asked`, or as many as `memory` bytes hold
+    (`--snapshot-memory`), else 2 per sequence within half the budget."""
     from kvstate.cache.spec import cache_spec
+    from kvstate.memory import parse_size, snapshots_within
 
+    if asked is not None and memory is not None:
+        raise KvstateError("give num_snapshot_slots or snapshot_memory, not both")
     if asked is not None:
         if asked < 0:
             raise KvstateError(f"num_snapshot_slots must be >= 0, got {asked}")
         return asked
     spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", conv_window=conv_window)
+    if memory is not None:
+        memory = parse_size(memory, "--snapshot-memory") if isinstance(memory, str) else memory
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+            raise KvstateError(f"--snapshot-memory must be a size in bytes >= 0, got {memory!r:.40}")
+        if memory > cache_bytes:
+            raise KvstateError(f"--snapshot-memory ({memory} bytes) is more than the cache budget "
+                               f"({cache_bytes} bytes)")
+        return snapshots_within(spec, memory)
     fit = (cache_bytes // 2) // spec.state_bytes if spec.state_bytes else 2 * max_num_seqs
     return max(1, min(2 * max_num_seqs, fit))
 
@@ -109,10 +124,11 @@ class EngineCore:
                  conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
                  snapshot_interval: int | str | None = "auto", prefix_eviction: str = "marconi", prefix_align: int = 1,
                  num_snapshot_slots: int | None = None, snapshot_repeat: bool = True, speculative_config=None,
-                 runner_class=None):
+                 runner_class=None, snapshot_memory: int | str | None = None):
         """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
         spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks. `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
+        budget as the KV blocks; or as many as `snapshot_memory` bytes hold (a size such as "256MiB").
+        `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
         `runner_class`: ModelRunner by default; tensor parallelism's rank-0 runner (kvstate.parallel.engine)."""
         from kvstate.engine.runner import ModelRunner
         from kvstate.memory import parse_size
@@ -139,7 +155,7 @@ class EngineCore:
             cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()) // ranks, need)
         spare = 0
         if enable_prefix_caching:
-            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots)
+            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots, snapshot_memory)
         self.draft_cache_bytes = 0  # what a draft model's pools take out of cache_memory
         if draft is not None:
             fixed, per_token = draft
@@ -172,6 +188,7 @@ class EngineCore:
             self.proposer = make_proposer(speculative_config, self)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
+        self.cache_reports: deque = deque(maxlen=32)  # (request id, CacheReport) of the last finished requests
 
     @property
     def model(self):
@@ -188,11 +205,12 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
-                    group=None, snapshot_hints: dict[int, str] | None = None) -> None:
+                    group=None, snapshot_hints: dict[int, str] | None = None, cache_salt: str | None = None) -> None:
         """Queue a request (n must be 1: the caller fans samples out). A malformed one is reported
         by the next step as finished with an error. `group`: the client request it belongs to
         (the scheduler admits groups in turn); None: its own. `snapshot_hints` {prompt position:
-        "chat" or "prefix"}: where prefix caching keeps a state snapshot for later requests to resume from."""
+        "chat" or "prefix"}: where prefix caching keeps a state snapshot for later requests to resume from.
+        `cache_salt`: cached blocks and snapshots are shared only between requests with the same salt."""
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and params.n != 1:
             raise KvstateError("EngineCore takes one sample per request: add n requests (SamplingParams.for_sample)")
@@ -200,7 +218,7 @@ class EngineCore:
         if getattr(params, "prompt_logprobs", None) is not None and not self.runner.scores_prompts:
             refuse = "prompt_logprobs is not supported with tensor parallelism (--tp): run with one rank"
         self.scheduler.add(request_id, prompt_token_ids, params, group=group, snapshot_hints=snapshot_hints,
-                           refuse=refuse)
+                           refuse=refuse, cache_salt=cache_salt)
 
     def abort_request(self, request_id) -> bool:
         """Stop a request now; its final output (finish_reason "abort") comes with the next step."""
@@ -259,8 +277,14 @@ class EngineCore:
             for entry in prompt_lp[1:]:
                 for tok, lp in entry.items():
                     lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+        report = seq.cache_report
+        if report is None and self.scheduler.prefix is None and seq.error is None:
+            report = CacheReport.off(seq.num_prompt_tokens)
+        if report is not None:
+            self.cache_reports.append((seq.request_id, report))
         return RequestOutput(seq.request_id, None, seq.prompt_token_ids, [done], error=seq.error,
-                             metrics=seq.metrics(), num_cached_tokens=cached, prompt_logprobs=prompt_lp)
+                             metrics=seq.metrics(), num_cached_tokens=cached, prompt_logprobs=prompt_lp,
+                             cache_report=report)
 
     # -- pool usage -----------------------------------------------------------------------------
     def cache_bytes_in_use(self) -> dict[str, int]:

@@ -45,6 +45,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # time_to_first_token, time_per_output_token, latency, ...
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's name)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs (PromptLogprobs)
+    cache_report: object = None  # kvstate.engine.cache_report.CacheReport: what the cache reused, why it stopped
 
     @property
     def text(self) -> str:

@@ -31,7 +31,8 @@ def batch_spec(step) -> BatchSpec:
     """The model's view of a scheduled step (models/ knows nothing of the scheduler's field names)."""
     return BatchSpec(query_lens=list(step.num_tokens), context_lens=list(step.context_lens),
                      state_slots=list(step.state_slots), block_tables=[list(t) for t in step.block_tables],
-                     block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices)
+                     block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices,
+                     captures=list(step.captures) or None)
 
 
 class ModelRunner:
@@ -58,6 +59,10 @@ class ModelRunner:
         self.keep_hidden = mtp
         self.hidden: torch.Tensor | None = None  # [T, hidden] of the last step, with keep_hidden
         self.hidden_batch: Batch | None = None  # the step `hidden` came from (its token_offsets: each entry's rows)
+        # with keep_hidden: per state slot, the hidden state of the last token folded into its state
+        # (copied with the slot), so a request resuming from a snapshot has h_{p-1} for the MTP head
+        self.slot_hidden: torch.Tensor | None = None  # [num_slots, H]
+        self.resumed_hidden: dict[int, torch.Tensor] = {}  # this step's resumed entries -> h_{p-1} [H]
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -66,6 +71,7 @@ class ModelRunner:
         state = sum(c.nbytes(("state", "conv")) for c in self.caches)
         return {"kv": kv, "state": state}
 
+    @torch.inference_mode()
     def copy_slots(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole state slots (src -> dst) in every linear layer."""
         for src, dst in copies:
@@ -73,6 +79,8 @@ class ModelRunner:
                 for t in (c.state, c.conv):
                     if t is not None:
                         t[dst].copy_(t[src])
+            if self.slot_hidden is not None:
+                self.slot_hidden[dst].copy_(self.slot_hidden[src])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (src -> dst) in every attention layer (copy-on-write of a cached partial block)."""
@@ -96,6 +104,7 @@ class ModelRunner:
                 logits, normed = self.model(ids, batch, self.caches, hidden=True)
                 if self.keep_hidden:
                     self.hidden, self.hidden_batch = normed, batch
+                    self._keep_slot_hidden(batch)
             else:  # only the sampled entries' rows reach the LM head
                 logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None
@@ -109,6 +118,20 @@ class ModelRunner:
         if self.rollback is not None:
             keep_states(self.rollback, kept)
             self.rollback = None
+        if self.slot_hidden is not None and kept:
+            offsets, slots = self.hidden_batch.token_offsets, self.hidden_batch.state_slots
+            for i, k in kept.items():
+                self.slot_hidden[slots[i]].copy_(self.hidden[offsets[i] + k - 1])
+
+    def _keep_slot_hidden(self, batch: Batch) -> None:
+        """Each entry's slot: the hidden state of its last token; each capture's slot: of its k-th token."""
+        if self.slot_hidden is None:
+            self.slot_hidden = self.hidden.new_zeros(self.sizes.num_slots, self.hidden.shape[-1])
+        last = torch.tensor(batch.token_offsets[1:], device=self.hidden.device) - 1
+        self.slot_hidden.index_copy_(0, batch.state_slots, self.hidden.index_select(0, last))
+        for e, caps in batch.captures.items():
+            for k, slot in caps:
+                self.slot_hidden[slot].copy_(self.hidden[batch.token_offsets[e] + k - 1])
 
     @timed("runner")
     def execute(self, step) -> SampleOutput:
@@ -117,6 +140,8 @@ class ModelRunner:
         self.generators.drop(step.finished_request_ids)
         self.copy_slots(step.slot_copies)
         self.copy_blocks(step.block_copies)
+        self.resumed_hidden = {} if self.slot_hidden is None else \
+            {i: self.slot_hidden[step.state_slots[i]].clone() for i in step.resumed}
         if step.is_empty:
             return SampleOutput([], [], [])
         scoring = bool(step.prompt_rows())  # entries scoring prompt tokens (prompt_logprobs) need every row

@@ -39,6 +39,7 @@ state-slot copies.
 from __future__ import annotations
 
 import time
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -121,24 +122,29 @@ class Scheduler:
             a, b, slot_bytes, block_bytes = config.prefix_costs
             cache = PrefixCache(self.blocks, self.slots, policy=config.prefix_eviction, flops_per_token=a,
                                 flops_per_token_pair=b, slot_bytes=slot_bytes, block_bytes=block_bytes,
-                                align=config.prefix_align)
+                                align=config.prefix_align, clock=clock)
             self.prefix = PrefixHooks(cache, interval=config.snapshot_interval, repeat=config.snapshot_repeat)
 
     # requests ------------------------------------------------------------------------------
     def add(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
             arrival_time: float | None = None, group=None,
-            snapshot_hints: dict[int, str] | None = None, refuse: str | None = None) -> Sequence:
+            snapshot_hints: dict[int, str] | None = None, refuse: str | None = None,
+            cache_salt: str | None = None) -> Sequence:
         """Queue a request. A malformed one comes back REJECTED with `error` set (no exception), as
         does one the caller `refuse`s (the reason).
         `group`: the client request it belongs to (admission takes groups in turn); None: its own.
         `snapshot_hints`: prompt positions -> kind where prefix caching should keep a state snapshot
-        (positions outside [1, prompt length] are left out)."""
+        (positions outside [1, prompt length] are left out). `cache_salt`: cached blocks and snapshots are
+        shared only between requests with the same salt (None: today's shared cache)."""
         now = self.clock() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
         tokens, error = check_request(self.config, self.blocks.blocks_for, request_id, prompt_token_ids, params,
                                       in_use=request_id in self._live, can_detokenize=self.detokenize is not None)
         error = error or refuse
-        seq = Sequence(request_id, tokens, params, arrival_time=now, group=group)
+        if error is None and cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            error = f"cache_salt must be a non-empty string, got {cache_salt!r:.40}"
+        seq = Sequence(request_id, tokens, params, arrival_time=now, group=group,
+                       cache_salt=cache_salt if isinstance(cache_salt, str) else None)
         if snapshot_hints and self.prefix is not None and error is None:
             seq.snapshot_hints = {p: k for p, k in snapshot_hints.items() if 1 <= p <= len(tokens)}
         if error is not None:
@@ -175,6 +181,9 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: set[Sequence] = set()  # the sequences in this step
         budget -= self._schedule_flushes(step, budget, now)
+        if self.prefix is not None:
+            room = cfg.max_num_seqs - len(self.running)  # the waiting requests this step may admit
+            self.prefix.protect(islice(self.waiting, room) if self.waiting and room > 0 else ())
         for decodes in (True, False):
             for seq in list(self.running):
                 if budget == 0:
@@ -195,7 +204,7 @@ class Scheduler:
                and (self.slots.can_allocate() if self.prefix is None else self.prefix.free_slot())):
             seq = self.waiting[0]
             if self.prefix is not None:  # starts from the longest cached prefix (slot and blocks taken)
-                n = self.prefix.admit(seq, budget, now, self._flushing)
+                n = self.prefix.admit(seq, budget, now, self._flushing, idle=not (self.running or step.seqs))
                 if n is None:
                     break
             else:
@@ -210,8 +219,15 @@ class Scheduler:
                 seq.first_scheduled_time = now
             self.running.append(seq)
             step.add(seq, n)
+            if seq.num_computed_tokens:  # resumed from a prefix-cache snapshot
+                step.resumed.append(len(step.seqs) - 1)
             scheduled.add(seq)
             budget -= n
+        if self.prefix is not None:  # snapshots inside prefill chunks, once admissions found theirs
+            for i, seq in enumerate(step.seqs):
+                if i not in step.drafts and step.num_tokens[i] > 1:
+                    self.prefix.capture(seq, step, i, now)
+            self.prefix.protect(())
         step.slot_copies = self.slots.take_copies()
         step.block_copies = self.blocks.take_copies()
         step.finished_request_ids, self._finished_ids = self._finished_ids, []
@@ -221,8 +237,9 @@ class Scheduler:
     def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
              preempt_self: bool) -> int:
         """Grow `seq`'s block table for up to `n` more tokens; returns how many fit (0: not this step)."""
-        if self.prefix is not None:  # chunks end at snapshot positions; snapshots give way to running work
-            n = self.prefix.limit(seq, n)
+        if self.prefix is not None:  # verify entries end at snapshot positions; snapshots give way to running work
+            if preempt_self:
+                n = self.prefix.limit(seq, n)
             self.prefix.reclaim(self.blocks.blocks_missing(seq.block_table, seq.num_computed_tokens + n))
         while self.blocks.capacity(seq.block_table) <= seq.num_computed_tokens:
             victim = self._victim(seq, scheduled, preempt_self)

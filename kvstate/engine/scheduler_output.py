@@ -40,6 +40,10 @@ class SchedulerOutput:
     # speculative decoding: entry -> its drafts (a "verify" entry computes the last known token and
     # them, every row sampled)
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # prefix caching: (entry, k, slot): after the entry's first k tokens (0 < k < its count) the linear
+    # layers write their state and conv window into `slot` (a snapshot inside a prefill chunk)
+    captures: list[tuple[int, int, int]] = field(default_factory=list)
+    resumed: list[int] = field(default_factory=list)  # entries admitted this step from a snapshot (context > 0)
 
     def add(self, seq: Sequence, n: int, sample: bool | None = None) -> None:
         """`sample=False`: computed but not sampled from (a finished reply's last token, for its snapshot)."""

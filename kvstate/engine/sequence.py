@@ -58,6 +58,8 @@ class Sequence:
     # prefix caching: positions where the request asks for a state snapshot -> kind ("chat": a chat
     # message ends there; "prefix": the caller's cache_prefix), see kvstate.engine.prefix_admission
     snapshot_hints: dict[int, str] = field(default_factory=dict)
+    cache_salt: str | None = None  # shares cached blocks and snapshots only with requests of the same salt
+    cache_report: object = None  # kvstate.engine.cache_report.CacheReport, set at first admission
 
     @property
     def num_prompt_tokens(self) -> int:

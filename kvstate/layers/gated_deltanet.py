@@ -39,7 +39,7 @@ def _recurrent(q, k, v, g, beta, *, initial_state=None, state_indices=None, inpl
                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **rest)
 
 
-OPS = RecurrentOps(chunk_gated_delta_rule, _recurrent)
+OPS = RecurrentOps(chunk_gated_delta_rule, _recurrent, chunk_positions=True)
 
 
 class GatedDeltaNet(nn.Module):

@@ -20,7 +20,7 @@ from kvstate.layers.norm import GatedRMSNorm
 from kvstate.layers.recurrence import RecurrentOps, recur, short_conv
 from kvstate.ops import chunk_kda, recurrent_kda
 
-OPS = RecurrentOps(chunk_kda, recurrent_kda)
+OPS = RecurrentOps(chunk_kda, recurrent_kda, chunk_positions=True)
 
 
 class KimiDeltaAttention(nn.Module):

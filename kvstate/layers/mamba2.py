@@ -26,7 +26,7 @@ from kvstate.ops import chunk_ssd, recurrent_ssd
 from kvstate.ops.ssd import discretize
 
 NO_LIMIT = (0.0, math.inf)
-OPS = RecurrentOps(chunk_ssd, recurrent_ssd)
+OPS = RecurrentOps(chunk_ssd, recurrent_ssd, chunk_positions=True)
 
 
 class Mamba2(nn.Module):

@@ -16,17 +16,22 @@ for decode) and hands over its per-token inputs; this module owns everything aro
   (The compiled verify kernel, `kernels.decode.gdn_verify`, leaves the pool at each entry's first
   token instead, which is always kept: a rollback entry says which.)
   Rollback is choosing a state the forward already computed: no recompute.
+- captures (prefix caching's snapshots inside a prefill chunk, `batch.captures`): the state after
+  an entry's first k tokens goes to another slot, from the same forward (`ops.states_at`: the
+  recurrence runs the segments between the positions; the conv window is read from the inputs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
 
 from kvstate.kernels import decode as kdecode
 from kvstate.ops import causal_conv1d, causal_conv1d_update
+from kvstate.ops.states_at import conv_windows_at, states_at
 from kvstate.profiling import timed
 
 
@@ -36,6 +41,9 @@ class RecurrentOps:
 
     chunk: Callable  # prefill: cu_seqlens, initial_state, output_final_state
     recurrent: Callable  # decode: one token per sequence, the pool's rows updated (state_indices, inplace_final_state)
+    # whether `chunk` takes state_positions and returns those states from its own scan (else
+    # ops.states_at runs it over the segments between them)
+    chunk_positions: bool = False
 
 
 def clear_fresh(pool: torch.Tensor, group) -> None:
@@ -83,6 +91,7 @@ def short_conv(x: torch.Tensor, pool: torch.Tensor, batch, weight: torch.Tensor,
             y, final = causal_conv1d(xg[None], weight, bias, activation=activation, initial_state=state,
                                      output_final_state=True, cu_seqlens=group.cu_seqlens)
             y = y[0]
+            _capture_windows(pool, state, xg, batch, group)
             _write(pool, group, final)
             if group.mode == "verify":
                 batch.rollback.append((pool, group, _windows(state, xg, batch, group), False))
@@ -101,6 +110,25 @@ def _conv_decode(x: torch.Tensor, pool: torch.Tensor, group, weight: torch.Tenso
         y = causal_conv1d_update(x, state, weight, bias, activation=activation)  # shifts `state` in place
         _write(pool, group, state)
     return y
+
+
+def _captures(batch, group) -> list[list[tuple[int, int]]]:
+    """Per entry of the group, its captures [(k, slot)] (empty lists when it has none)."""
+    return [batch.captures.get(e, []) for e in group.entries]
+
+
+def _capture_windows(pool: torch.Tensor, state: torch.Tensor, x: torch.Tensor, batch, group) -> None:
+    """Each capture's conv window after its first k tokens -> its slot: state [n, D, S] before the step, x [T_g, D]."""
+    if not batch.captures:
+        return
+    start = 0
+    for j, (e, caps) in enumerate(zip(group.entries, _captures(batch, group))):
+        q = batch.query_lens[e]
+        if caps:
+            windows = conv_windows_at(state[j], x[start:start + q], [k for k, _ in caps])
+            for (_, slot), w in zip(caps, windows):
+                pool[slot].copy_(w[..., -pool.shape[-1]:])
+        start += q
 
 
 def _windows(state: torch.Tensor, x: torch.Tensor, batch, group) -> torch.Tensor:
@@ -159,8 +187,22 @@ def recur(ops: RecurrentOps, pool: torch.Tensor, batch, tokens: dict[str, torch.
 def _prefill(ops: RecurrentOps, pool: torch.Tensor, group, tokens: dict, kwargs: dict, batch) -> torch.Tensor:
     """The group's sequences as one packed [1, T_g, ...] through the chunk op; final states written back."""
     xs = {name: t[group.rows].unsqueeze(0) for name, t in tokens.items()}
-    o, state = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
-                         cu_seqlens=group.cu_seqlens)
+    caps = _captures(batch, group) if batch.captures else None
+    if not caps or not any(caps):
+        o, state = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
+                             cu_seqlens=group.cu_seqlens)
+    else:
+        positions = [[k for k, _ in c] for c in caps]
+        if ops.chunk_positions:
+            o, state, states = ops.chunk(**xs, **kwargs, initial_state=_rows(pool, group), output_final_state=True,
+                                         cu_seqlens=group.cu_seqlens, state_positions=positions)
+        else:
+            lens = [batch.query_lens[e] for e in group.entries]
+            o, state, states = states_at(ops.chunk, xs, positions=positions, initial_state=_rows(pool, group),
+                                         cu_seqlens=[0, *accumulate(lens)], **kwargs)
+        for c, got in zip(caps, states):
+            for (_, slot), s in zip(c, got):
+                pool[slot].copy_(s)
     _write(pool, group, state)
     return o
 

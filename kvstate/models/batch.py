@@ -56,6 +56,7 @@ class BatchSpec:
     block_size: int
     modes: list[str] | None = None  # None: "decode" for one new token, else "prefill"
     sample_rows: list[int] | None = None  # None: every entry
+    captures: list[tuple[int, int, int]] | None = None  # (prefill entry, k, slot): its state after k tokens
 
 
 @dataclass
@@ -81,6 +82,9 @@ class Batch:
     # verify groups' per-token states, filled by the linear layers during the forward:
     # (pool, group, states [T_g, *row]) per layer; see kvstate.layers.recurrence.keep_states
     rollback: list = field(default_factory=list)
+    # prefill entry -> [(k, slot)]: the linear layers also write the state after the entry's first k
+    # tokens into `slot` (prefix caching's snapshots inside a chunk, kvstate.ops.states_at)
+    captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -125,15 +129,17 @@ class Batch:
     @classmethod
     def from_spec(cls, spec: BatchSpec, *, device=None) -> "Batch":
         return cls.build(spec.query_lens, spec.context_lens, spec.state_slots, spec.block_tables, spec.block_size,
-                         sample_rows=spec.sample_rows, modes=spec.modes, device=device)
+                         sample_rows=spec.sample_rows, modes=spec.modes, device=device, captures=spec.captures)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], state_slots: list[int],
               block_tables: list[list[int]], block_size: int, *, sample_rows: list[int] | None = None,
-              logits: str = "last", modes: list[str] | None = None, device=None) -> "Batch":
+              logits: str = "last", modes: list[str] | None = None, device=None,
+              captures: list[tuple[int, int, int]] | None = None) -> "Batch":
         """Assemble the step from host lists. `sample_rows`: the entries whose last token's logits are
         returned (default: every entry with a token); logits="all": every token's (not with sample_rows).
-        `modes`: per entry (default: "decode" for one new token, else "prefill")."""
+        `modes`: per entry (default: "decode" for one new token, else "prefill"). `captures`: (entry, k,
+        slot) where a prefill entry's state after its first k tokens is also written."""
         n = len(query_lens)
         if not (len(context_lens) == len(state_slots) == len(block_tables) == n):
             raise ValueError("query_lens, context_lens, state_slots and block_tables must have one entry per sequence")
@@ -174,6 +180,12 @@ class Batch:
         groups = tuple(_group(mode, [i for i in range(n) if modes[i] == mode], query_lens, context_lens,
                               offsets, slots, to)
                        for mode in ("decode", "prefill", "verify") if mode in modes)
+        by_entry: dict[int, list[tuple[int, int]]] = {}
+        for e, k, slot in captures or ():
+            if modes[e] != "prefill" or not 0 < k < query_lens[e]:
+                raise ValueError(f"capture ({e}, {k}, {slot}): needs a prefill entry and 0 < k < its "
+                                 f"{query_lens[e]} tokens")
+            by_entry.setdefault(e, []).append((k, slot))
         verify_group = token_tables = None
         if "verify" in modes and "prefill" not in modes:
             verify_group = groups[0] if len(groups) == 1 else \
@@ -183,7 +195,8 @@ class Batch:
                    kv_lens=[c + q for c, q in zip(context_lens, query_lens)], token_offsets=offsets, modes=modes,
                    cu_seqlens=to(cu), positions=to(positions), state_slots=slots, block_tables=to(tables),
                    kv_indices=to(kv_indices), block_size=block_size, logits_indices=to(as_t(rows)), groups=groups,
-                   verify_group=verify_group, token_tables=token_tables)
+                   verify_group=verify_group, token_tables=token_tables,
+                   captures={e: sorted(c) for e, c in by_entry.items()})
 
 
 def _group(mode: str, entries: list[int], query_lens, context_lens, offsets, slots, to) -> StateGroup:

@@ -179,24 +179,85 @@ def split_heads(flat: FlatInputs, h0: int, h1: int) -> FlatInputs:
                                                                        flat.out_shape[3]))
 
 
-def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, **kernel_kw):
+def run_split(flat: FlatInputs, kernel, *, output_final_state: bool, captures: list | None = None, **kernel_kw):
     """Run kernel(flat, o_dst, s_dst, output_final_state, grad=..., **kernel_kw) -> (o [tot, HV, V],
     final or None), in parallel over key-head groups when the call is big enough and autograd does
-    not record (kvstate/ops/_threads.py).
+    not record (kvstate/ops/_threads.py). `captures` [(sequence, p)]: the kernel also writes the
+    state after each sequence's first p tokens into `c_dst` [len(captures), HV, K, V].
 
-    Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None).
+    Returns (o [B, T, HV, V] in the input dtype, final_state [N, HV, K, V] or None[, the captured states]).
     """
     h, hv, dk, dv = flat.dims
     grad = needs_grad(flat.q, flat.k, flat.v, flat.g, flat.beta, flat.s0)
+    dev = flat.q.device
+    cap = None
+    if captures:
+        if grad:
+            raise ValueError("states at positions are an inference feature (no autograd)")
+        cap = torch.empty(len(captures), hv, dk, dv, dtype=flat.acc, device=dev)
+        kernel_kw = dict(kernel_kw, captures=captures)
     kernel = partial(kernel, grad=grad, **kernel_kw)
     with _threads.scope(flat.q.shape[0] * hv * dk * dv, h, serial=not grad) as n_work:
         if n_work == 1:
-            o, final = kernel(flat, None, None, output_final_state)
-            return o.to(flat.dtype).view(flat.out_shape), final
-        grp, dev = hv // h, flat.q.device
+            o, final = kernel(flat, None, None, output_final_state, **({} if cap is None else {"c_dst": cap}))
+            return (o.to(flat.dtype).view(flat.out_shape), final) + (() if cap is None else (cap,))
+        grp = hv // h
         o = torch.empty(flat.q.shape[0], hv, dv, dtype=flat.dtype, device=dev)
         final = torch.empty(flat.n_seq, hv, dk, dv, dtype=flat.acc, device=dev) if output_final_state else None
         _threads.run([partial(kernel, split_heads(flat, a, b), o[:, a * grp:b * grp],
-                              None if final is None else final[:, a * grp:b * grp], output_final_state)
+                              None if final is None else final[:, a * grp:b * grp], output_final_state,
+                              **({} if cap is None else {"c_dst": cap[:, a * grp:b * grp]}))
                       for a, b in _threads.split(h, n_work)])
-    return o.view(flat.out_shape), final
+    return (o.view(flat.out_shape), final) + (() if cap is None else (cap,))
+
+
+def run_at(flat: FlatInputs, kernel, state_positions: list[list[int]] | None, *, output_final_state: bool,
+           **kernel_kw):
+    """`run_split`, and with `state_positions` (per sequence, token counts 0 < p < its length) also the
+    states there, per sequence a list of [HV, K, V], written by the kernel's own scan (`captures`)."""
+    if state_positions is None:
+        return run_split(flat, kernel, output_final_state=output_final_state, **kernel_kw)
+    captures = [(i, p) for i, ps in enumerate(state_positions) for p in ps]
+    if any(not 0 < p < flat.lens[i] for i, p in captures):
+        raise ValueError(f"state_positions must lie inside their sequences (lengths {flat.lens})")
+    if not captures:
+        return (*run_split(flat, kernel, output_final_state=output_final_state, **kernel_kw),
+                [[] for _ in state_positions])
+    o, final, cap = run_split(flat, kernel, output_final_state=output_final_state, captures=captures, **kernel_kw)
+    return o, final, per_sequence(cap, state_positions)
+
+
+def per_sequence(cap: torch.Tensor, state_positions: list[list[int]]) -> list[list[torch.Tensor]]:
+    """Captured states [n, ...] in (sequence, position) order -> per sequence the list of its states."""
+    states, n = [], 0
+    for ps in state_positions:
+        states.append(list(cap[n:n + len(ps)]))
+        n += len(ps)
+    return states
+
+
+def capture_plan(lay, captures: list | None) -> dict[int, list[tuple[int, int, int]]]:
+    """{first slot of step j: [(rank, offset o, capture index)]}: the state after p tokens is the
+    state entering chunk j = p // C advanced by its first o = p % C tokens."""
+    plan: dict[int, list[tuple[int, int, int]]] = {}
+    for index, (seq, p) in enumerate(captures or ()):
+        j, o = divmod(p, lay.chunk)
+        plan.setdefault(lay.steps[j][0], []).append((int(lay.rank[seq]), o, index))
+    return plan
+
+
+def partial_state(s: torch.Tensor, k: torch.Tensor, b: torch.Tensor | None, vn: torch.Tensor, o: int,
+                  grp: int) -> torch.Tensor:
+    """The state after the first o tokens of a chunk: s [HV, K, V] entering it, k [H, C, K] its keys,
+    b [H, G, C] cumulative log decays (None: no decay), vn [HV, C, V] the deltas written.
+    S_o = e^{b_o} s + sum_{t<o} e^{b_o - b_t} k_t vn_t^T (per value head; o = 0: s itself)."""
+    if o == 0:
+        return s.clone()
+    h, c, dk = k.shape
+    kt = k[:, None, :o].expand(h, grp, o, dk)  # [H, G, o, K]: a key head serves its group of value heads
+    if b is None:
+        return torch.baddbmm(s, kt.reshape(h * grp, o, dk).transpose(1, 2), vn[:, :o])
+    last = b[..., o - 1:o]  # [H, G, 1]
+    kd = kt * (last - b[..., :o]).exp().unsqueeze(-1)  # keys decayed to token o
+    return torch.baddbmm(s * last.exp().reshape(h * grp, 1, 1), kd.reshape(h * grp, o, dk).transpose(1, 2),
+                         vn[:, :o])

@@ -112,7 +112,7 @@ class EngineLoop:
     # -- the asyncio side -------------------------------------------------------------------------
     def submit(self, jobs: list) -> Submission:
         """Queue engine requests, one per (prompt_token_ids, SamplingParams with n=1[, snapshot
-        hints: `EngineCore.add_request`]); their outputs arrive tagged with the job's index. Must be
+        hints[, cache_salt]]: `EngineCore.add_request`); their outputs arrive tagged with the job's index. Must be
         called from a running event loop."""
         ids = [f"req-{next(self._ids)}" for _ in jobs]
         sub = Submission(self, ids, asyncio.get_running_loop())
@@ -182,12 +182,13 @@ class EngineLoop:
                 return False
             if cmd[0] == "add":
                 sub, jobs = cmd[1], cmd[2]
-                for choice, (rid, (ids, params, *hints)) in enumerate(jobs):
-                    hints = hints[0] if hints else None
+                for choice, (rid, (ids, params, *extra)) in enumerate(jobs):
+                    hints, salt = (extra + [None, None])[:2]
                     try:
                         # admitted in turn with other clients' requests (stand-in cores take no hints)
                         self.core.add_request(rid, ids, params, group=sub.request_ids[0],
-                                              **({"snapshot_hints": hints} if hints else {}))
+                                              **({"snapshot_hints": hints} if hints else {}),
+                                              **({"cache_salt": salt} if salt else {}))
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))

@@ -52,6 +52,13 @@ def prefix_snapshots(core, limit: int = 64) -> list[dict]:
     return sorted(rows, key=lambda r: -r["last_used"])[:limit]
 
 
+def cache_reports(core, limit: int = 8) -> list[dict]:
+    """The cache reports of the last finished requests, newest first (kvstate.engine.cache_report):
+    what each reused and why reuse stopped where it did."""
+    rows = [{"request_id": str(rid), **report.to_dict()} for rid, report in getattr(core, "cache_reports", ())]
+    return rows[::-1][:limit]
+
+
 POOL_DIMS = {("k", None): "num_blocks, block_size, kv_heads, head_dim",
              ("v", None): "num_blocks, block_size, kv_heads, head_dim",
              ("latent", None): "num_blocks, block_size, latent_dim",
@@ -145,6 +152,7 @@ class StepRecorder:
                 "max_model_len": core.max_model_len, "requests": running + waiting,
                 "finished": list(self.finished), "num_steps": self.num_steps,
                 "step_totals": {k: dict(v) for k, v in self.totals.items()}, "snapshots": prefix_snapshots(core),
+                "cache_reports": cache_reports(core),
                 "counters": {k: v for k, v in stats.items() if k not in STANDARD_STATS},
                 "pool_tensors": pool_tensors(core)}
 

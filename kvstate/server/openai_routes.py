@@ -173,8 +173,8 @@ def _check(loop, body, prompts: list[list[int]], params) -> None:
         raise ApiError(f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab})", param="stop_token_ids")
 
 
-def _jobs(prompts, params, hints) -> list:
-    return [(ids, params if params.n == 1 else params.for_sample(k), h or None)
+def _jobs(prompts, params, hints, salt: str | None = None) -> list:
+    return [(ids, params if params.n == 1 else params.for_sample(k), h or None, *((salt,) if salt else ()))
             for ids, h in zip(prompts, hints) for k in range(params.n)]
 
 
@@ -185,7 +185,7 @@ async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: 
     if body.stop and lone_surrogate("".join([body.stop] if isinstance(body.stop, str) else body.stop)):
         raise ApiError("stop holds a lone UTF-16 surrogate: not valid text", param="stop")
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    sub = loop.submit(_jobs(prompts, params, hints))
+    sub = loop.submit(_jobs(prompts, params, hints, body.cache_salt))
     reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
     if not chat:
         reply.echo = (texts, body.echo, body.prompt_logprobs is not None)
@@ -320,13 +320,22 @@ class _Reply:
                 choices.append(self._completion_choice(i, f))
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+                "usage": self.usage(), **self.cache_extension()}
 
-    def _chunk(self, choices: list, usage=None) -> str:
+    def cache_extension(self) -> dict:
+        """kvstate's extension beside `usage` (OpenAI clients ignore unknown fields): each prompt's
+        cache report (kvstate.engine.cache_report), the first sample's of each prompt."""
+        reports = [getattr(f, "cache_report", None) for f in self.finals[::self.n] if f is not None]
+        if not reports or None in reports:
+            return {}
+        return {P.CACHE_FIELD: {"prompts": [r.to_dict() for r in reports]}}
+
+    def _chunk(self, choices: list, usage=None, extra: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             body["usage"] = usage
+        body.update(extra or {})
         return P.sse(body)
 
     def _piece(self, choice: int, text: str | None, reason=None, first=False, logprobs=None) -> dict:
@@ -365,5 +374,5 @@ class _Reply:
                     yield self._chunk([self._piece(choice, out.text, reason, logprobs=lp)])
             item = await anext(sub, None)
         if include_usage:
-            yield self._chunk([], self.usage())
+            yield self._chunk([], self.usage(), self.cache_extension())
         yield P.sse("[DONE]")

@@ -38,6 +38,9 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop"}.get(reason, reason)
 
 
+CACHE_FIELD = "kvstate_cache"  # the extension object beside `usage`: per prompt, its cache report
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """With prefix caching on (`cached_tokens` not None), the prompt tokens served from the cache
     in `prompt_tokens_details.cached_tokens`, as OpenAI and vLLM report them."""

@@ -73,6 +73,9 @@ class _Sampling(BaseModel):
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
+    # vLLM's field: with prefix caching, cached blocks and snapshots are shared only between requests
+    # with the same salt (docs/serving.md: the multi-tenant answer to the timing side channel)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:

@@ -1,6 +1,7 @@
 """The explorer in a real browser (headless Chromium): the slider and the layer bar show the numbers
 `kvstate memory --json --layers` prints, models can be switched or a config.json uploaded, a sent
-prompt shows up in the engine view (blocks growing, slot fixed) and the step timeline, and the
+prompt shows up in the engine view (blocks growing, slot fixed), the step timeline and the cache
+reports panel, and the
 cache on/off and recall panels draw what the server measured. Screenshots: tmp dir and out/explorer/.
 """
 
@@ -150,6 +151,10 @@ def test_a_sent_prompt_shows_in_the_engine_view_and_the_timeline(page, live, tmp
     assert all(b == math.ceil(c / block_size) for c, b in done)
     assert int(pg.get_attribute("#pools", "data-steps")) >= steps_before + 600
     assert pg.locator("#timeline-chart rect").count() > 0
+    # the cache panel: the last requests' cache reports (this server runs without prefix caching)
+    pg.wait_for_function("document.querySelectorAll('#cache-reports tr.cache-report').length >= 2")
+    reasons = {r.get_attribute("data-reason") for r in pg.query_selector_all("#cache-reports tr.cache-report")}
+    assert reasons == {"caching_off"} and "caching off" in pg.inner_text("#cache-reports")
     summary = pg.inner_text("#timeline-summary")
     assert "prefill:" in summary and "decode:" in summary
 

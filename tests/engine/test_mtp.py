@@ -43,15 +43,21 @@ FAMILIES = {
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
+def save_mtp_checkpoint(name: str, path):
+    """A tiny `name` checkpoint with random mtp.* tensors saved at `path`: (transformers model, the mtp tensors)."""
+    torch.manual_seed(0)
+    hf = FAMILIES[name]().eval()
+    redraw_weights(hf, 0)
+    hf.save_pretrained(path)
+    return hf, add_mtp(path)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(name, transformers model, checkpoint path with mtp.*, the mtp tensors)."""
     path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().eval()
-    redraw_weights(hf, 0)
-    hf.save_pretrained(path)
-    return request.param, hf, path, add_mtp(path)
+    hf, mtp = save_mtp_checkpoint(request.param, path)
+    return request.param, hf, path, mtp
 
 
 def mtp_llm(path, k, **kw):

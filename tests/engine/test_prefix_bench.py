@@ -23,3 +23,9 @@ def test_bench_prefix_quick(capsys):
     for workload in ("doc-message", "system"):  # a document or system prompt of its own: only the new message
         assert serving[workload]["kvstate"]["second_computed"] == serving[workload]["kvstate"]["second_own"]
     assert all(serving[w]["off"]["snapshot_bytes"] == 0 for w in serving)
+    # every miss has a reason: the first request of each workload found nothing, the second reused all it could
+    assert serving["repeat"]["kvstate"]["misses"] == {"no_match": 2}  # the warm-up and the first send
+    assert set(serving["doc"]["kvstate"]["misses"]) <= {"no_match", "no_snapshot"}
+    first = out["first_request"]
+    assert first["prompt"] == 120 and len(first["points"]) == 4 and first["snapshots_taken"] >= 4 * first["rounds"]
+    assert len(first["ttft_on_ms"]) == len(first["ttft_off_ms"]) == first["rounds"]

@@ -93,6 +93,9 @@ def run_workload(cfg: SchedulerConfig, seed: int, num_requests: int) -> dict:
 # found by hypothesis: two snapshots inside one block shared its partial block, so neither alone
 # could free it and a request needing every block waited forever with nothing running
 @example(seed=1, block_size=3, num_blocks=12, extra_slots=3, interval=None, policy="lru", budget=3)
+# found by a sweep: with nothing running, the only snapshot a request could resume from held the
+# partial block its copy needed (resuming did not fit, starting over would): it must go, not wait
+@example(seed=7, block_size=2, num_blocks=12, extra_slots=0, interval=None, policy="lru", budget=12)
 def test_hypothesis_workloads_are_exact_and_leak_nothing(seed, block_size, num_blocks, extra_slots, interval, policy,
                                                           budget):
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, num_slots=3 + extra_slots,

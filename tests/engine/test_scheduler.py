@@ -272,6 +272,7 @@ class FakeModel:
 
     def run(self, sched) -> list[int]:
         ids, off, out = sched.input_ids(), 0, []
+        captures = {(i, k): slot for i, k, slot in sched.captures}  # prefix caching: states inside a chunk
         for i, n in enumerate(sched.num_tokens):
             c, table, slot = sched.context_lens[i], sched.block_tables[i], sched.state_slots[i]
             h = 0 if c == 0 else self.state[slot]  # a fresh sequence starts from zeros
@@ -279,6 +280,8 @@ class FakeModel:
                 self.kv[table[p // self.bs]][p % self.bs] = ids[off]
                 h = (h * 31 + ids[off]) % MOD
                 off += 1
+                if (i, p + 1 - c) in captures:
+                    self.state[captures[i, p + 1 - c]] = h
             self.state[slot] = h
             if sched.samples[i]:
                 kv_sum = sum(self.kv[table[p // self.bs]][p % self.bs] * (p + 1) for p in range(c + n))

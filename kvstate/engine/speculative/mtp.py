@@ -12,6 +12,10 @@ head's KV at position p is written from the target's hidden state h_p and the to
   overwrites whatever a previous step's chained drafts wrote there (their KV was computed from
   the head's own output, not h_p): the rollback is this rewrite, before any later read.
   The row at the last known position (p = n - 2) gives draft 1.
+  A sequence that resumed at p from a prefix-cache snapshot (`step.resumed`) first gets the head's
+  row p - 1 rewritten from h_{p-1} (which the runner keeps with every state slot: `slot_hidden`)
+  and its own token at p: the row in the shared or copied block was written for the tokens of
+  the request that left the snapshot, which may go on differently there.
 - `propose`: drafts 2..k chain on the head's own output y at positions n - 1, n, ... in blocks
   grown now for the verify that comes next (where the pool has none, only draft 1).
 Greedy drafts are one-hot, which the rejection sampler assumes.
@@ -58,12 +62,17 @@ class MtpDrafter:
         if self.pending is not None:  # no propose ran since the last observe: its KV rows first
             self._settle(self.pending, 0)
             self.pending = None
+        self._resumed(step)
         hidden, hb = self.runner.hidden, self.runner.hidden_batch
         offsets = hb.token_offsets
         rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
         for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
             end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
-            if seq.status is not SequenceStatus.RUNNING or end <= c:
+            running = seq.status is SequenceStatus.RUNNING
+            # a reply that just finished still holds its blocks while its end snapshot is taken (prefix
+            # caching): its last rows are rewritten too, or a later request resuming there reads the
+            # KV the chained drafts left in them
+            if end <= c or not (running or seq.block_table):
                 continue
             rows.extend(range(offsets[i], offsets[i] + end - c))
             ids.extend(seq.token_ids(c + 1, end + 1))
@@ -71,7 +80,7 @@ class MtpDrafter:
             starts.append(c)
             slots.append(seq.state_slot)
             tables.append(seq.block_table)
-            live.append((seq, end == seq.num_tokens - 1))
+            live.append((seq, running and end == seq.num_tokens - 1))
         if not live:
             return
         device = self.device
@@ -101,6 +110,18 @@ class MtpDrafter:
                 self.ready[seq] = (seq.num_tokens, t, ys[j : j + 1])  # y [1, H]
             else:
                 self.ready.pop(seq, None)
+
+    def _resumed(self, step) -> None:
+        """Rewrite the head's row p - 1 of each entry that resumed at p from a snapshot (see the module docstring)."""
+        got = self.runner.resumed_hidden
+        live = [(i, seq, c) for i in getattr(step, "resumed", ()) if i in got
+                for seq, c in [(step.seqs[i], step.context_lens[i])] if seq.status is SequenceStatus.RUNNING]
+        if not live:
+            return
+        ids = [seq.token_ids(c, c + 1)[0] for _, seq, c in live]
+        h = torch.stack([got[i] for i, _, _ in live])  # [N, H]
+        self._forward(ids, h, [1] * len(live), [c - 1 for *_, c in live], [seq.state_slot for _, seq, _ in live],
+                      [seq.block_table for _, seq, _ in live])
 
     @timed("drafter")
     @torch.inference_mode()

@@ -24,33 +24,39 @@ from __future__ import annotations
 
 import torch
 
-from kvstate.ops._chunk_delta import ChunkScan, decay_mask, run_split
+from kvstate.ops._chunk_delta import ChunkScan, capture_plan, decay_mask, partial_state, run_at
 from kvstate.ops._inputs import FlatInputs, prepare
 
 BLOCK_BYTES = 4 << 20  # target size of one [slots, HV, C, max(K, V)] temporary in a block
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=32):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=32, state_positions=None):
     """Gated delta rule, chunked. q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay <= 0), beta [B, T, HV].
 
     Returns (o [B, T, HV, V] in q's dtype, final_state [N, HV, K, V] fp32 or None). Any chunk_size
     works; 32 is the fastest on CPU (fla's GPU kernels use 64) and keeps the triangular systems small.
+    `state_positions` (inference only): per sequence, token counts 0 < p < its length after which its
+    state is wanted; then also returns them, per sequence a list of [HV, K, V], from the same scan
+    (at a chunk boundary the carried state; inside a chunk a partial step from the one before it).
     """
     flat = prepare(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
                     needs_beta=True)
-    return run_split(flat, chunk_delta, output_final_state=output_final_state, l2=use_qk_l2norm_in_kernel,
-                     chunk_size=chunk_size)
+    return run_at(flat, chunk_delta, state_positions, output_final_state=output_final_state,
+                  l2=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
 
 
-def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool):
+def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2: bool, chunk_size: int, grad: bool,
+                captures: list | None = None, c_dst=None):
     """The kernel behind chunk_gated_delta_rule and chunk_delta_rule (flat.g None: no decay).
 
     Writes into o_dst [tot, HV, V] / s_dst [N, HV, K, V] when given; returns (o [tot, HV, V], final or None).
+    `captures` [(sequence, p)]: the state after the sequence's first p tokens goes to c_dst[index] [HV, K, V].
     """
     scan = ChunkScan(flat, chunk_size, grad, o_dst, s_dst)
     h, hv, dk, dv = flat.dims
     grp, c, acc, out = hv // h, chunk_size, flat.acc, scan.out
+    at = capture_plan(scan.lay, captures)  # first slot of a step -> [(rank, offset in the chunk, index)]
     eye = torch.eye(c, dtype=acc, device=flat.q.device)
     for s0, n, steps, qc, kc, vc in scan.blocks(BLOCK_BYTES, l2):
         bt = scan.gather(flat.beta, s0, n).view(n, h, grp, c)
@@ -79,11 +85,14 @@ def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2:
         w = (tk.reshape(n * h, grp * c, c) @ kc.view(n * h, c, dk)).view(n, h, grp, c, dk)  # k shared by the group
         wq = torch.cat([w, qd], dim=-2)  # [n, H, G, 2C, K]
 
-        def step(r, m, state, wq, u, kd, attn, dec):  # this step's rows of the block tensors
+        def step(r, m, state, wq, u, kd, attn, dec, kb, bb):  # this step's rows of the block tensors
             mat = lambda x, d, rr=c: x.reshape(m * hv, rr, d)  # noqa: E731  [m HV, rr, d] per head
             s = state.view(m * hv, dk, dv)
             ws = torch.bmm(mat(wq, dk, 2 * c), s)  # [m HV, 2C, V]: w S and q S
             vn = mat(u, dv) - ws[:, :c]  # u - w S: the deltas written
+            for rank, off, index in at.get(s0 + r, ()):  # states inside this chunk, before s moves on
+                c_dst[index] = partial_state(state[rank], kb[rank], None if bb is None else bb[rank],
+                                             vn.view(m, hv, c, dv)[rank], off, grp)
             kd_t = mat(kd, dk).transpose(1, 2)
             dec = None if dec is None else dec.reshape(m * hv, 1, 1)
             if grad:  # autograd: out-of-place
@@ -99,5 +108,8 @@ def chunk_delta(flat: FlatInputs, o_dst, s_dst, output_final_state: bool, *, l2:
                 s.mul_(dec)
             s.baddbmm_(kd_t, vn)
 
-        scan.carry.run(s0, steps, step, wq, u, kd, attn, dec)
+        kb = kc if at else None  # keys [n, H, C, K] and cumulative log decays [n, H, G, C], for captures
+        bb = None if not at or flat.g is None else b
+        scan.carry.run(s0, steps, step, wq, u, kd, attn, dec, kb, bb)
     return scan.result(output_final_state)
+

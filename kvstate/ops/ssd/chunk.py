@@ -15,12 +15,13 @@ from kvstate.ops.ssd._args import check_ssd, discretize, finish
 
 
 def chunk_ssd(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),
-              initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=32):
-    """x [B, T, H, P], dt [B, T, H], A [H], B/C [B, T, G, N]. Returns (y [B, T, H, P], final_state or None)."""
+              initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=32, state_positions=None):
+    """x [B, T, H, P], dt [B, T, H], A [H], B/C [B, T, G, N]. Returns (y [B, T, H, P], final_state or None);
+    with `state_positions`, also the states there (chunk_gated_linear_attention)."""
     check_ssd(x, dt, A, B, C, D, z, dt_bias)
     dt, log_a = discretize(x, dt, A, dt_bias, dt_softplus, dt_limit)
-    y, final = chunk_gated_linear_attention(C.to(dt.dtype), B.to(dt.dtype), x.to(dt.dtype) * dt.unsqueeze(-1), log_a,
-                                            scale=1.0, initial_state=initial_state,
-                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                            chunk_size=chunk_size)
-    return finish(y, x, D, z), final
+    y, final, *states = chunk_gated_linear_attention(
+        C.to(dt.dtype), B.to(dt.dtype), x.to(dt.dtype) * dt.unsqueeze(-1), log_a, scale=1.0,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, state_positions=state_positions)
+    return (finish(y, x, D, z), final, *states)

@@ -25,6 +25,26 @@ async function pollEngine() {
   setTimeout(pollEngine, 400);
 }
 
+// The last requests' cache reports: what each reused, from which snapshot, and why reuse stopped there.
+function cacheReason(r) {
+  if (r.reason === null) return "reused all it could";
+  if (r.reason === "no_snapshot") return `no snapshot between ${fmtInt(r.nearest_snapshot)} and the match`;
+  if (r.reason === "evicted") return `evicted (${r.evicted.policy}, ${r.evicted.kind} at ${fmtInt(r.evicted.position)},` +
+    ` after ${r.evicted.age_s.toFixed(1)} s)`;
+  if (r.reason === "salt_mismatch") return `cached under another cache_salt (${fmtInt(r.other_salt_tokens)} tokens)`;
+  return r.reason.replaceAll("_", " ");
+}
+
+function drawCacheReports(reports) {
+  const rows = reports.map((r) => el("tr", {class: "cache-report", "data-reason": r.reason || "none"},
+    el("td", {class: "mono"}, r.request_id), el("td", {}, `${fmtInt(r.reused_tokens)} / ${fmtInt(r.prompt_tokens)}`),
+    el("td", {}, fmtInt(r.matched_tokens)), el("td", {}, r.source ? `${r.source} at ${fmtInt(r.source_position)}` : "—"),
+    el("td", {}, cacheReason(r))));
+  document.getElementById("cache-reports").replaceChildren(...(rows.length ? [el("h3", {}, "Cache reports (last requests)"),
+    el("table", {class: "mono"}, el("tr", {}, ...["request", "reused / prompt", "matched", "from", "why it stopped"]
+      .map((h) => el("th", {}, h))), ...rows)] : []));
+}
+
 function meter(used, total, color) {
   const pct = total ? 100 * used / total : 0;
   return el("div", {class: "meter"}, el("div", {style: `width:${pct.toFixed(2)}%;background:${color}`}));
@@ -54,6 +74,7 @@ function drawEngine() {
        `slot #${s.slot} · ${fmtBytes(v.slot_bytes)}`)));
   document.getElementById("snapshots").replaceChildren(...(snaps.length ? [el("h3", {},
     "Prefix snapshots (state at a prefix end, in a spare slot)"), ...snaps] : []));
+  drawCacheReports(v.cache_reports || []);
   const counters = Object.entries(v.counters).map(([k, val]) => `${k} ${val}`).join(" · ");
   drawPoolTensors(v);
   document.getElementById("counters").textContent =
