@@ -3,7 +3,8 @@
     resolve_checkpoint("Qwen/Qwen3.5-0.8B") -> Path of the cached snapshot directory
     resolve_config("Qwen/Qwen3.5-0.8B")     -> Path of its config.json (only that file is fetched)
 
-An existing local file or directory is used as is; a shipped model's name
+An existing local file or directory is used as is (a GGUF file: the checkpoint folder standing
+for it, kvstate.gguf); a shipped model's name
 (`kvstate-phonebook-hybrid`, kvstate.shipped) is its directory in the package. Anything else is looked up through
 `huggingface_hub`, as transformers does: the local cache when offline (HF_HUB_OFFLINE=1 or no
 network), a download into that cache when online. Every failure is one KvstateError line.
@@ -16,6 +17,7 @@ import os
 from pathlib import Path
 
 from kvstate.errors import KvstateError
+from kvstate.gguf import is_gguf
 
 # What a checkpoint needs: config, weights (+ index), tokenizer and chat template files.
 # "*.json" covers config.json, generation_config.json, tokenizer(_config).json and the index.
@@ -41,6 +43,10 @@ def looks_like_repo_id(text: str) -> bool:
 def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     """A checkpoint directory: the path itself, or the cached (or downloaded) hub snapshot."""
     path = Path(name_or_path)
+    if is_gguf(path) and path.is_file():  # a folder standing for the file (kvstate.gguf.checkpoint)
+        from kvstate.gguf.checkpoint import checkpoint_dir
+
+        return checkpoint_dir(path)
     if path.exists():
         return path
     if (shipped := _shipped(name_or_path)) is not None:

@@ -73,6 +73,12 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def _parse(path: Path, label: str) -> dict[str, Any]:
+    from kvstate.gguf import is_gguf
+
+    if is_gguf(path) and path.is_file():  # the config its metadata stands for (kvstate.gguf)
+        from kvstate.gguf.metadata import hf_config
+
+        return hf_config(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -1,0 +1,66 @@
+"""A tiny Qwen3.5 checkpoint (fp32 and bf16) with a Qwen2-style byte-level BPE tokenizer and a chat
+template, and the GGUF files llama.cpp's own converter makes of it (run in a child with its gguf-py;
+skipped where the llama.cpp source tree is absent). Each GGUF folder goes to a per-session cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+LLAMA_CPP = Path(os.environ.get("KVSTATE_LLAMA_CPP_SOURCE", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+VOCAB = 300
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(autouse=True)
+def gguf_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("KVSTATE_GGUF_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+
+
+def _tokenizer(path: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvstate.gguf.tokenizer import PRE_TOKENIZERS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [p.read_text(encoding="utf-8") for p in sorted((Path(__file__).parents[2] / "kvstate" / "gguf").glob("*.py"))]
+    tok.train_from_iterator(corpus, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                            chat_template=TEMPLATE).save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """{"ckpt-f32", "ckpt-bf16", "f32", "bf16"} -> path: checkpoints and their GGUF files."""
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kvstate.bench.llama_cpp import convert
+    from tests.models.checks import redraw_weights
+    from tests.models.test_qwen3_5 import TEXT
+
+    root = tmp_path_factory.mktemp("gguf")
+    torch.manual_seed(0)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **{**TEXT, "vocab_size": VOCAB})).eval()
+    redraw_weights(hf, 0)
+    out = {}
+    for dtype, outtype in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        ckpt = root / f"ckpt-{outtype}"
+        hf.to(dtype).save_pretrained(ckpt)
+        _tokenizer(ckpt)
+        out[f"ckpt-{outtype}"] = ckpt
+        out[outtype] = convert(LLAMA_CPP, ckpt, outtype, root / f"tiny-{outtype}.gguf")
+    return out

@@ -1,0 +1,52 @@
+"""A GGUF file made by llama.cpp's own converter loads into the model the checkpoint gives: same plan,
+same logits (F32 and BF16 files), same tokenizer and chat template."""
+
+import json
+
+import torch
+
+from kvstate.families import read_plan
+from kvstate.hub import resolve_checkpoint
+from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.loader import load_model
+from kvstate.models.tokenizer import Tokenizer
+
+SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
+
+
+def test_gguf_plan_is_the_checkpoints(converted):
+    for kind in ("f32", "bf16"):
+        ours, theirs = read_plan(converted[kind]), read_plan(converted[f"ckpt-{kind}"])
+        assert ours.layer_string == theirs.layer_string == "GAGGA"
+        assert ours.layers == theirs.layers
+        assert (ours.hidden_size, ours.vocab_size, ours.tie_word_embeddings) == \
+            (theirs.hidden_size, theirs.vocab_size, theirs.tie_word_embeddings)
+
+
+def test_gguf_logits_equal_the_checkpoints(converted):
+    for kind in ("f32", "bf16"):
+        ref, _ = load_model(converted[f"ckpt-{kind}"])
+        model, plan = load_model(converted[kind])
+        assert model.lm_head.weight.dtype == ref.lm_head.weight.dtype == (torch.float32 if kind == "f32" else torch.bfloat16)
+        for got, want in zip(forward_logits(model, SEQS), forward_logits(ref, SEQS)):
+            assert float((got - want).norm() / want.norm()) <= 1e-5, kind
+        assert greedy_generate(model, SEQS[0], 8) == greedy_generate(ref, SEQS[0], 8)
+
+
+def test_gguf_tokenizer_encodes_decodes_and_templates_like_the_checkpoints(converted):
+    ours, theirs = Tokenizer(resolve_checkpoint(converted["f32"])), Tokenizer(converted["ckpt-f32"])
+    texts = ["Hello world, 12345 tokens!", "def f(x):\n    return x  # élan ünïcode 中文", "  spaces\n\n\tand tabs ",
+             "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
+    assert ours.eos_token_ids == theirs.eos_token_ids
+
+
+def test_gguf_folder_is_reused_and_names_the_file(converted):
+    first = resolve_checkpoint(converted["f32"])
+    assert resolve_checkpoint(str(converted["f32"])) == first
+    config = json.loads((first / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["gguf_architecture"] == "qwen35"
