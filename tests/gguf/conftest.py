@@ -35,7 +35,8 @@ def _tokenizer(path: Path) -> None:
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [p.read_text(encoding="utf-8") for p in sorted((Path(__file__).parents[2] / "kvstate" / "gguf").glob("*.py"))]
+    sources = sorted((Path(__file__).parents[2] / "kvstate" / "gguf").glob("*.py"))
+    corpus = [p.read_text(encoding="utf-8") for p in sources]
     tok.train_from_iterator(corpus, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                             chat_template=TEMPLATE).save_pretrained(path)

@@ -27,7 +27,8 @@ def test_gguf_logits_equal_the_checkpoints(converted):
     for kind in ("f32", "bf16"):
         ref, _ = load_model(converted[f"ckpt-{kind}"])
         model, plan = load_model(converted[kind])
-        assert model.lm_head.weight.dtype == ref.lm_head.weight.dtype == (torch.float32 if kind == "f32" else torch.bfloat16)
+        dtype = torch.float32 if kind == "f32" else torch.bfloat16
+        assert model.lm_head.weight.dtype == ref.lm_head.weight.dtype == dtype
         for got, want in zip(forward_logits(model, SEQS), forward_logits(ref, SEQS)):
             assert float((got - want).norm() / want.norm()) <= 1e-5, kind
         assert greedy_generate(model, SEQS[0], 8) == greedy_generate(ref, SEQS[0], 8)
