@@ -92,11 +92,19 @@ def to_torch(tensor, path) -> torch.Tensor:
         return torch.from_numpy(data.copy()).reshape(_shape(tensor))
     from gguf.quants import dequantize
 
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
+
+
+def _dequantizable(qtype) -> bool:
+    """Whether gguf has a dequantizer for `qtype` (tried on one zero block)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
     try:
-        values = dequantize(tensor.data, tensor.tensor_type)
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
     except NotImplementedError:
-        raise KvstateError(f"{path}: tensor {tensor.name!r} has type {kind}, which gguf cannot dequantize") from None
-    return torch.from_numpy(values).reshape(_shape(tensor)).to(torch.bfloat16)
+        return False
+    return True
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -120,6 +128,10 @@ def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of each tensor of the GGUF file at `path`; an unknown name is one KvstateError."""
     reader = open_reader(path)
     quantized = sorted({t.tensor_type.name for t in reader.tensors if is_quantized(t)})
+    for t in reader.tensors:  # before any work: a type nothing reads fails the load at once
+        if is_quantized(t) and not _dequantizable(t.tensor_type):
+            raise KvstateError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate cannot "
+                               f"read (supported: F32, F16, BF16 and the types gguf dequantizes)")
     if quantized:
         print(f"{path}: {', '.join(quantized)} tensors dequantized to bf16 at load", file=sys.stderr)
     for tensor in reader.tensors:
