@@ -31,7 +31,7 @@ def cache_root() -> Path:
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
     """The checkpoint folder standing for the GGUF file at `path` (written on first use)."""
-    path = Path(path).resolve()
+    path = Path(path).absolute()  # its own name (a hub snapshot's file is a link to a blob named by hash)
     if not path.is_file():
         raise KvstateError(f"{path}: no such file")
     stat = path.stat()
@@ -49,7 +49,7 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
     try:
         if reader.fields.get("tokenizer.ggml.tokens") is not None:
             write_tokenizer(reader, tmp)
-        (tmp / GGUF_LINK).symlink_to(path)
+        (tmp / GGUF_LINK).symlink_to(path.resolve())
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tmp.replace(folder) if not folder.exists() else shutil.rmtree(tmp)
     except BaseException:
@@ -59,6 +59,6 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
 
 
 def gguf_file(folder: Path) -> Path | None:
-    """The GGUF file a checkpoint folder stands for, or None for an ordinary checkpoint."""
+    """The GGUF file a checkpoint folder stands for (its link, named *.gguf), or None for an ordinary checkpoint."""
     link = folder / GGUF_LINK
-    return link.resolve() if link.is_symlink() or link.is_file() else None
+    return link if link.is_file() else None

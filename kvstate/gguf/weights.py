@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -126,6 +127,7 @@ def matrix_dtype(path) -> torch.dtype:
 
 def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of each tensor of the GGUF file at `path`; an unknown name is one KvstateError."""
+    path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
     reader = open_reader(path)
     quantized = sorted({t.tensor_type.name for t in reader.tensors if is_quantized(t)})
     for t in reader.tensors:  # before any work: a type nothing reads fails the load at once

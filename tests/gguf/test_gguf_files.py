@@ -72,3 +72,23 @@ def test_generate_runs_a_gguf_alone(converted, capsys):
     assert main(["generate", "--model", str(converted["f32"]), "def f(x):", "--max-tokens", "4", "--ignore-eos"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in err
+
+
+def test_hub_repo_and_file_from_the_offline_cache(converted, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from kvstate.hub import resolve_checkpoint
+    from tests.hub_cache import populate
+
+    populate(tmp_path / "hub", "org/tiny-GGUF", {"tiny-f32.gguf": converted["f32"].read_bytes()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = resolve_checkpoint("org/tiny-GGUF", gguf_file="tiny-f32.gguf")
+    assert resolve_checkpoint("org/tiny-GGUF/tiny-f32.gguf") == folder
+    model, _ = load_model("org/tiny-GGUF/tiny-f32.gguf")
+    plain, _ = load_model(converted["f32"])
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(plain, SEQS)):
+        assert float((got - want).norm() / want.norm()) == 0.0
+    assert main(["memory", "org/tiny-GGUF/tiny-f32.gguf"]) == 0
+    capsys.readouterr()
+    _one_line(capsys, ["memory", "org/tiny-GGUF/absent.gguf"], "not in the Hugging Face cache")
