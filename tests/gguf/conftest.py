@@ -11,6 +11,7 @@ import pytest
 import torch
 
 LLAMA_CPP = Path(os.environ.get("KVSTATE_LLAMA_CPP_SOURCE", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_QUANTIZE = LLAMA_CPP / "build" / "bin" / "llama-quantize"
 VOCAB = 300
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -55,7 +56,9 @@ def converted(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gguf")
     torch.manual_seed(0)
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **{**TEXT, "vocab_size": VOCAB})).eval()
+    # hidden 256: rows of 256, so llama-quantize writes K-quant blocks (Q4_K, Q6_K), not only fallbacks
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, **{**TEXT, "vocab_size": VOCAB,
+                                                                      "hidden_size": 256})).eval()
     redraw_weights(hf, 0)
     out = {}
     for dtype, outtype in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):

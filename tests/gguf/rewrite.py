@@ -15,8 +15,8 @@ def quantizable(tensor) -> bool:
 
 def rewrite(src, dst, *, arch: str | None = None, drop=(), retype: dict | None = None,
             qtype: GGMLQuantizationType | None = None, dequantized: bool = False):
-    """`qtype`: the quantizable matrices stored in that type; with `dequantized`, stored as F32 holding
-    gguf's dequantization of that type, rounded to bf16 (what kvstate keeps of a dequantized tensor)."""
+    """`qtype`: the quantizable matrices stored in that type; with `dequantized`, those (and the tensors
+    the file already holds quantized) stored as F32 holding gguf's dequantization, rounded to bf16."""
     reader = GGUFReader(str(src))
     old = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(str(dst), arch or old)
@@ -35,12 +35,13 @@ def rewrite(src, dst, *, arch: str | None = None, drop=(), retype: dict | None =
         elif qtype is not None and quantizable(t):
             blocks = quantize(data, qtype)
             if dequantized:
-                import torch  # bf16 rounding, as the loader does
-
-                values = torch.from_numpy(dequantize(blocks, qtype)).to(torch.bfloat16).float().numpy()
-                writer.add_tensor(t.name, values)
+                writer.add_tensor(t.name, _bf16(dequantize(blocks, qtype)))
             else:
                 writer.add_tensor(t.name, blocks, raw_dtype=qtype)
+        elif t.tensor_type.name not in ("F32", "F16", "BF16"):  # already quantized: its dequantization
+            values = dequantize(data, t.tensor_type)
+            writer.add_tensor(t.name, _bf16(values) if dequantized else data,
+                              raw_dtype=None if dequantized else t.tensor_type)
         else:
             writer.add_tensor(t.name, data)
     writer.write_header_to_file()
@@ -48,3 +49,10 @@ def rewrite(src, dst, *, arch: str | None = None, drop=(), retype: dict | None =
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """fp32 values rounded to bf16 (what the loader keeps of a dequantized tensor), as fp32."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch.bfloat16).float().numpy()

@@ -92,3 +92,36 @@ def test_hub_repo_and_file_from_the_offline_cache(converted, tmp_path, monkeypat
     assert main(["memory", "org/tiny-GGUF/tiny-f32.gguf"]) == 0
     capsys.readouterr()
     _one_line(capsys, ["memory", "org/tiny-GGUF/absent.gguf"], "not in the Hugging Face cache")
+
+
+def test_bench_engine_runs_llama_bench_on_the_same_gguf(converted, tmp_path, capsys):
+    import json
+
+    from tests.test_bench_llama_cpp import fake_llama_bench
+
+    binary, _ = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--model", str(converted["f32"]), "--batches", "1", "--prompt-len", "6",
+                 "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--llama-bench", binary,
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    args = json.loads((tmp_path / "args.json").read_text())
+    assert args[:2] == ["-m", str(converted["f32"].resolve())]
+    assert [r["test"] for r in out["llama_cpp"]] == ["pp12", "tg64"]
+
+
+def test_llama_quantize_q4_k_m_file_gives_the_dequantized_models_logits(converted, tmp_path):
+    from gguf import GGUFReader
+
+    from kvstate.bench.llama_cpp import quantize
+    from tests.gguf.conftest import LLAMA_QUANTIZE
+
+    if not LLAMA_QUANTIZE.is_file():
+        pytest.skip(f"no llama-quantize at {LLAMA_QUANTIZE}")
+    quant = quantize(LLAMA_QUANTIZE, converted["bf16"], "q4_k_m", tmp_path / "q4_k_m.gguf", threads=1)
+    kinds = {t.tensor_type.name for t in GGUFReader(str(quant)).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds, kinds
+    ref = rewrite(quant, tmp_path / "ref.gguf", dequantized=True)
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
