@@ -37,7 +37,7 @@ def field(reader, key: str, default: Any = None) -> Any:
 
 
 def _qwen35(reader, arch: str) -> dict[str, Any]:
-    """qwen35 (conversion/qwen.py: Qwen3_5TextModel; the MoE and Qwen3-Next files need their expert tensors mapped)."""
+    """qwen35 and qwen35moe (conversion/qwen.py: Qwen3_5TextModel, Qwen3_5MoeTextModel)."""
     def get(key, default=None, required=True):
         value = field(reader, f"{arch}.{key}", default)
         if value is None and required:
@@ -51,7 +51,7 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
         interval = get("full_attention_interval", 4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
     cfg: dict[str, Any] = dict(
-        model_type="qwen3_5_text", intermediate_size=get("feed_forward_length"),
+        model_type="qwen3_5_text" if arch == "qwen35" else "qwen3_5_moe_text",
         hidden_size=get("embedding_length"), num_hidden_layers=layers,
         num_attention_heads=get("attention.head_count"), num_key_value_heads=get("attention.head_count_kv"),
         head_dim=head_dim, rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
@@ -64,11 +64,17 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
                              partial_rotary_factor=get("rope.dimension_count") / head_dim),
         hidden_act="silu", attention_bias=False, tie_word_embeddings=not _has_tensor(reader, "output.weight"),
     )
+    if arch == "qwen35":
+        cfg["intermediate_size"] = get("feed_forward_length")
+    else:
+        cfg.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
     return cfg
 
 
 # GGUF architecture -> its config reader
-ARCHITECTURES = {"qwen35": _qwen35}
+ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35}
 
 
 def _has_tensor(reader, name: str) -> bool:

@@ -5,7 +5,8 @@ The converter (conversion/qwen.py) renames every tensor and, for Qwen3.5, also: 
 norm); squeezes the conv1d weight to [channels, width]; and, when there are more value heads
 than key heads, reorders the value heads from grouped-by-key-head to tiled (rows of the qkv, z,
 a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
-is inverted here, so the family adapter maps the result like the safetensors checkpoint.
+is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
+expert tensors are split back into one tensor per expert).
 F32, F16 and BF16 tensors keep their dtype; any quantized type is dequantized with gguf's own
 `dequantize` to bfloat16 (one line on stderr per file says so).
 """
@@ -38,7 +39,14 @@ _LAYER = {
     "ssm_beta.weight": "linear_attn.in_proj_b.weight", "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# the experts, merged into one [experts, out, in] tensor each: -> mlp.experts.{e}.<name>
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+            "ffn_down_exps.weight": "down_proj.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
            "output_norm.weight": "model.norm.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -51,6 +59,8 @@ def hf_name(name: str) -> str | None:
     m = _BLOCK.fullmatch(name)
     if m and m.group(2) in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
     return None
 
 
@@ -140,4 +150,9 @@ def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_name(tensor.name)
         if name is None:
             raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
-        yield name, undo_transforms(name, to_torch(tensor, path), cfg)
+        data = undo_transforms(name, to_torch(tensor, path), cfg)
+        if "{e}" in name:
+            for e in range(data.shape[0]):
+                yield name.format(e=e), data[e]
+        else:
+            yield name, data

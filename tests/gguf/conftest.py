@@ -1,6 +1,7 @@
 """A tiny Qwen3.5 checkpoint (fp32 and bf16) with a Qwen2-style byte-level BPE tokenizer and a chat
-template, and the GGUF files llama.cpp's own converter makes of it (run in a child with its gguf-py;
-skipped where the llama.cpp source tree is absent). Each GGUF folder goes to a per-session cache."""
+template (and a tiny Qwen3.5 MoE), and the GGUF files llama.cpp's own converter makes of them (run in
+a child with its gguf-py; skipped where the llama.cpp source tree is absent). Each GGUF folder goes to
+a per-session cache."""
 
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """{"ckpt-f32", "ckpt-bf16", "f32", "bf16"} -> path: checkpoints and their GGUF files."""
+    """{"ckpt-f32", "ckpt-bf16", "ckpt-moe", "f32", "bf16", "moe"} -> path: checkpoints (Qwen3.5 dense in fp32
+    and bf16, Qwen3.5 MoE in fp32) and their GGUF files."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     from kvstate.bench.llama_cpp import convert
     from tests.models.checks import redraw_weights
@@ -67,4 +69,12 @@ def converted(tmp_path_factory):
         _tokenizer(ckpt)
         out[f"ckpt-{outtype}"] = ckpt
         out[outtype] = convert(LLAMA_CPP, ckpt, outtype, root / f"tiny-{outtype}.gguf")
+    torch.manual_seed(1)
+    moe = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48,
+                                                     **{**TEXT, "vocab_size": VOCAB})).eval()
+    redraw_weights(moe, 1)
+    moe.save_pretrained(root / "ckpt-moe")
+    _tokenizer(root / "ckpt-moe")
+    out["ckpt-moe"], out["moe"] = root / "ckpt-moe", convert(LLAMA_CPP, root / "ckpt-moe", "f32", root / "moe.gguf")
     return out
