@@ -37,7 +37,8 @@ def field(reader, key: str, default: Any = None) -> Any:
 
 
 def _qwen35(reader, arch: str) -> dict[str, Any]:
-    """qwen35 and qwen35moe (conversion/qwen.py: Qwen3_5TextModel, Qwen3_5MoeTextModel)."""
+    """qwen35, qwen35moe and qwen3next (conversion/qwen.py: Qwen3_5TextModel, Qwen3_5MoeTextModel, Qwen3NextModel;
+    llama.cpp runs every qwen3next layer as MoE: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
     def get(key, default=None, required=True):
         value = field(reader, f"{arch}.{key}", default)
         if value is None and required:
@@ -51,7 +52,7 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
         interval = get("full_attention_interval", 4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
     cfg: dict[str, Any] = dict(
-        model_type="qwen3_5_text" if arch == "qwen35" else "qwen3_5_moe_text",
+        model_type=MODEL_TYPES[arch],
         hidden_size=get("embedding_length"), num_hidden_layers=layers,
         num_attention_heads=get("attention.head_count"), num_key_value_heads=get("attention.head_count_kv"),
         head_dim=head_dim, rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
@@ -70,11 +71,14 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
         cfg.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
                    moe_intermediate_size=get("expert_feed_forward_length"),
                    shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
+    if arch == "qwen3next":
+        cfg.update(intermediate_size=get("feed_forward_length", 0), decoder_sparse_step=1, mlp_only_layers=[])
     return cfg
 
 
 # GGUF architecture -> its config reader
-ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35}
+ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35}
+MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 
 
 def _has_tensor(reader, name: str) -> bool:

@@ -1,9 +1,10 @@
 """A GGUF file's tensors under their checkpoint names, with llama.cpp's converter transforms undone.
 
-The converter (conversion/qwen.py) renames every tensor and, for Qwen3.5, also: stores
+The converter (conversion/qwen.py) renames every tensor and, for Qwen3.5 and Qwen3-Next, also: stores
 `-exp(A_log)` as `ssm_a`; adds 1 to the zero-centred RMSNorm weights (not the gated DeltaNet
-norm); squeezes the conv1d weight to [channels, width]; and, when there are more value heads
-than key heads, reorders the value heads from grouped-by-key-head to tiled (rows of the qkv, z,
+norm); squeezes the conv1d weight to [channels, width]; splits Qwen3-Next's in_proj_qkvz into
+[q | k | v] and z (the separate projections Qwen3.5 has, which its adapter takes); and, for Qwen3.5 with
+more value heads than key heads, reorders the value heads from grouped-by-key-head to tiled (rows of the qkv, z,
 a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
 expert tensors are split back into one tensor per expert).
@@ -39,6 +40,7 @@ _LAYER = {
     "ssm_beta.weight": "linear_attn.in_proj_b.weight", "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # qwen3next: still fused, as in its checkpoint
     "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
@@ -78,8 +80,8 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Te
     elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    if k_heads == v_heads or ".linear_attn." not in name:
-        return t
+    if k_heads == v_heads or ".linear_attn." not in name or cfg["gguf_architecture"] == "qwen3next":
+        return t  # qwen3next's converter keeps the grouped order
     per_k, dk, dv = v_heads // k_heads, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
         qk = 2 * k_heads * dk

@@ -1,5 +1,5 @@
 """A tiny Qwen3.5 checkpoint (fp32 and bf16) with a Qwen2-style byte-level BPE tokenizer and a chat
-template (and a tiny Qwen3.5 MoE), and the GGUF files llama.cpp's own converter makes of them (run in
+template (and a tiny Qwen3.5 MoE and Qwen3-Next), and the GGUF files llama.cpp's own converter makes of them (run in
 a child with its gguf-py; skipped where the llama.cpp source tree is absent). Each GGUF folder goes to
 a per-session cache."""
 
@@ -46,15 +46,17 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """{"ckpt-f32", "ckpt-bf16", "ckpt-moe", "f32", "bf16", "moe"} -> path: checkpoints (Qwen3.5 dense in fp32
-    and bf16, Qwen3.5 MoE in fp32) and their GGUF files."""
+    """{"ckpt-f32", "ckpt-bf16", "ckpt-moe", "ckpt-next", "f32", "bf16", "moe", "next"} -> path: checkpoints
+    (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE and Qwen3-Next in fp32) and their GGUF files."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                              Qwen3NextConfig, Qwen3NextForCausalLM)
 
     from kvstate.bench.llama_cpp import convert
     from tests.models.checks import redraw_weights
     from tests.models.test_qwen3_5 import TEXT
+    from tests.models.test_qwen3_next import BASE as NEXT
 
     root = tmp_path_factory.mktemp("gguf")
     torch.manual_seed(0)
@@ -73,8 +75,12 @@ def converted(tmp_path_factory):
     moe = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=48,
                                                      **{**TEXT, "vocab_size": VOCAB})).eval()
-    redraw_weights(moe, 1)
-    moe.save_pretrained(root / "ckpt-moe")
-    _tokenizer(root / "ckpt-moe")
-    out["ckpt-moe"], out["moe"] = root / "ckpt-moe", convert(LLAMA_CPP, root / "ckpt-moe", "f32", root / "moe.gguf")
+    torch.manual_seed(2)
+    nxt = Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, "vocab_size": VOCAB})).eval()
+    for kind, model in (("moe", moe), ("next", nxt)):
+        redraw_weights(model, 1)
+        model.save_pretrained(root / f"ckpt-{kind}")
+        _tokenizer(root / f"ckpt-{kind}")
+        out[f"ckpt-{kind}"] = root / f"ckpt-{kind}"
+        out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf")
     return out

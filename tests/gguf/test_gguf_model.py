@@ -1,5 +1,5 @@
 """A GGUF file made by llama.cpp's own converter loads into the model the checkpoint gives: same plan,
-same logits (F32 and BF16 files; Qwen3.5 dense and MoE), same tokenizer and chat template."""
+same logits (F32 and BF16 files; Qwen3.5 dense and MoE, Qwen3-Next), same tokenizer and chat template."""
 
 import json
 
@@ -15,16 +15,16 @@ SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
 def test_gguf_plan_is_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe"):
+    for kind in ("f32", "bf16", "moe", "next"):
         ours, theirs = read_plan(converted[kind]), read_plan(converted[f"ckpt-{kind}"])
-        assert ours.layer_string == theirs.layer_string == "GAGGA"
+        assert ours.layer_string == theirs.layer_string
         assert ours.layers == theirs.layers
         assert (ours.hidden_size, ours.vocab_size, ours.tie_word_embeddings) == \
             (theirs.hidden_size, theirs.vocab_size, theirs.tie_word_embeddings)
 
 
 def test_gguf_logits_equal_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe"):
+    for kind in ("f32", "bf16", "moe", "next"):
         ref, _ = load_model(converted[f"ckpt-{kind}"])
         model, plan = load_model(converted[kind])
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32
