@@ -175,12 +175,14 @@ def make_checkpoint(directory: str | Path, size: str = "0.5b") -> Path:
     return Path(path)
 
 
-def convert(source: str | Path, checkpoint: str | Path, outtype: str, outfile: str | Path) -> Path:
-    """llama.cpp's converter (of the source tree `source`) on `checkpoint` -> `outfile` in `outtype`."""
+def convert(source: str | Path, checkpoint: str | Path, outtype: str, outfile: str | Path, *,
+            no_mtp: bool = True) -> Path:
+    """llama.cpp's converter (of the source tree `source`) on `checkpoint` -> `outfile` in `outtype`
+    (`no_mtp`: without the MTP head, which the bench leaves out; False for families the flag refuses)."""
     script = Path(source) / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise KvstateError(f"{source}: not a llama.cpp source tree (no convert_hf_to_gguf.py)")
-    argv = [str(checkpoint), "--no-mtp", "--outtype", outtype, "--outfile", str(outfile)]
+    argv = [str(checkpoint), *(["--no-mtp"] if no_mtp else []), "--outtype", outtype, "--outfile", str(outfile)]
     done = subprocess.run([sys.executable, "-c", _CONVERT, str(Path(source).resolve()), *argv],
                           capture_output=True, text=True)
     if done.returncode != 0:

@@ -76,8 +76,26 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
     return cfg
 
 
+def _mamba2(reader, arch: str) -> dict[str, Any]:
+    """mamba2 (conversion/mamba.py: Mamba2Model)."""
+    def get(key):
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise KvstateError(f"{reader.source}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden, inner, heads = get("embedding_length"), get("ssm.inner_size"), get("ssm.time_step_rank")
+    return dict(model_type="mamba2", hidden_size=hidden, num_hidden_layers=get("block_count"),
+                state_size=get("ssm.state_size"), expand=inner // hidden, n_groups=get("ssm.group_count"),
+                num_heads=heads, head_dim=inner // heads, conv_kernel=get("ssm.conv_kernel"),
+                layer_norm_epsilon=get("attention.layer_norm_rms_epsilon"),
+                use_conv_bias=_has_tensor(reader, "blk.0.ssm_conv1d.bias"),
+                use_bias=_has_tensor(reader, "blk.0.ssm_in.bias"),
+                tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+
+
 # GGUF architecture -> its config reader
-ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35}
+ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2}
 MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 
 

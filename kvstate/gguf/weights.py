@@ -7,7 +7,8 @@ norm); squeezes the conv1d weight to [channels, width]; splits Qwen3-Next's in_p
 more value heads than key heads, reorders the value heads from grouped-by-key-head to tiled (rows of the qkv, z,
 a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
-expert tensors are split back into one tensor per expert).
+expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
+way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
 F32, F16 and BF16 tensors keep their dtype; any quantized type is dequantized with gguf's own
 `dequantize` to bfloat16 (one line on stderr per file says so).
 """
@@ -51,18 +52,32 @@ _EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "u
             "ffn_down_exps.weight": "down_proj.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
            "output_norm.weight": "model.norm.weight"}
+# Mamba-2 (conversion/mamba.py): the checkpoint's backbone.* names
+_MAMBA2_LAYER = {
+    "attn_norm.weight": "norm.weight", "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_in.weight": "mixer.in_proj.weight", "ssm_in.bias": "mixer.in_proj.bias",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight", "ssm_out.bias": "mixer.out_proj.bias",
+}
+_MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
+                  "output_norm.weight": "backbone.norm_f.weight"}
+# architecture -> (global names, per-layer names, layer prefix)
+_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers")}
+_QWEN = (_GLOBAL, _LAYER, "model.layers")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "qwen35") -> str | None:
     """The checkpoint name of a GGUF tensor name, or None for a name this architecture does not have."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
+    glob, layer, prefix = _NAMES.get(arch, _QWEN)
+    if name in glob:
+        return glob[name]
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    if m and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
-        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
+    if m and m.group(2) in layer:
+        return f"{prefix}.{m.group(1)}.{layer[m.group(2)]}"
+    if m and layer is _LAYER and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
+        return f"{prefix}.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
     return None
 
 
@@ -77,7 +92,9 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Te
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`."""
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    if cfg["gguf_architecture"] == "mamba2":  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     if k_heads == v_heads or ".linear_attn." not in name or cfg["gguf_architecture"] == "qwen3next":
@@ -149,7 +166,7 @@ def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     if quantized:
         print(f"{path}: {', '.join(quantized)} tensors dequantized to bf16 at load", file=sys.stderr)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:
             raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
         data = undo_transforms(name, to_torch(tensor, path), cfg)

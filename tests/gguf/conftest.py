@@ -1,7 +1,7 @@
 """A tiny Qwen3.5 checkpoint (fp32 and bf16) with a Qwen2-style byte-level BPE tokenizer and a chat
-template (and a tiny Qwen3.5 MoE and Qwen3-Next), and the GGUF files llama.cpp's own converter makes of them (run in
-a child with its gguf-py; skipped where the llama.cpp source tree is absent). Each GGUF folder goes to
-a per-session cache."""
+template (and a tiny Qwen3.5 MoE, Qwen3-Next and Mamba-2), and the GGUF files llama.cpp's own
+converter makes of them (run in a child with its gguf-py; skipped where the llama.cpp source tree is
+absent). Each GGUF folder goes to a per-session cache."""
 
 from __future__ import annotations
 
@@ -46,16 +46,17 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """{"ckpt-f32", "ckpt-bf16", "ckpt-moe", "ckpt-next", "f32", "bf16", "moe", "next"} -> path: checkpoints
-    (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE and Qwen3-Next in fp32) and their GGUF files."""
+    """{"f32", "bf16", "moe", "next", "mamba2"} and each with "ckpt-" -> path: the GGUF files and their
+    checkpoints (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE, Qwen3-Next and Mamba-2 in fp32)."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
     from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-                              Qwen3NextConfig, Qwen3NextForCausalLM)
+                              Qwen3NextConfig, Qwen3NextForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
     from kvstate.bench.llama_cpp import convert
     from tests.models.checks import redraw_weights
     from tests.models.test_qwen3_5 import TEXT
+    from tests.models.test_mamba2 import BASE as MAMBA2
     from tests.models.test_qwen3_next import BASE as NEXT
 
     root = tmp_path_factory.mktemp("gguf")
@@ -77,10 +78,12 @@ def converted(tmp_path_factory):
                                                      **{**TEXT, "vocab_size": VOCAB})).eval()
     torch.manual_seed(2)
     nxt = Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, "vocab_size": VOCAB})).eval()
-    for kind, model in (("moe", moe), ("next", nxt)):
+    torch.manual_seed(3)
+    mamba2 = Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2, "vocab_size": VOCAB})).eval()
+    for kind, model in (("moe", moe), ("next", nxt), ("mamba2", mamba2)):
         redraw_weights(model, 1)
         model.save_pretrained(root / f"ckpt-{kind}")
         _tokenizer(root / f"ckpt-{kind}")
         out[f"ckpt-{kind}"] = root / f"ckpt-{kind}"
-        out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf")
+        out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf", no_mtp=kind != "mamba2")
     return out
