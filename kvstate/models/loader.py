@@ -156,7 +156,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     missing = [n for n, count in filled.items() if count < params[n].numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
+        where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
+        raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
     if quantize:
         quantize_linears(model)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each

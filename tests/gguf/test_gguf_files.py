@@ -65,7 +65,8 @@ def test_unsupported_tensor_type_is_one_line(converted, tmp_path, capsys):
 
 def test_missing_tensor_is_one_line(converted, tmp_path, capsys):
     bad = rewrite(converted["f32"], tmp_path / "short.gguf", drop={"blk.2.ffn_up.weight"})
-    _one_line(capsys, ["generate", "--model", str(bad), "hi"], "missing tensors for layers.2")
+    _one_line(capsys, ["generate", "--model", str(bad), "hi"],
+              f"{bad.resolve()}: checkpoint is missing tensors for layers.2")
 
 
 def test_generate_runs_a_gguf_alone(converted, capsys):
