@@ -51,3 +51,14 @@ def test_gguf_folder_is_reused_and_names_the_file(converted):
     assert resolve_checkpoint(str(converted["f32"])) == first
     config = json.loads((first / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text" and config["gguf_architecture"] == "qwen35"
+
+
+def test_llm_takes_a_gguf_and_chats_like_the_checkpoint(converted):
+    from kvstate import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    messages = [{"role": "user", "content": "def f(x):"}]
+    ours, theirs = LLM(str(converted["f32"])), LLM(str(converted["ckpt-f32"]))
+    assert ours.tokenizer.apply_chat_template(messages) == theirs.tokenizer.apply_chat_template(messages)
+    got, want = ours.generate(["def f(x):"], params)[0], theirs.generate(["def f(x):"], params)[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
