@@ -3,7 +3,8 @@
     resolve_checkpoint("Qwen/Qwen3.5-0.8B") -> Path of the cached snapshot directory
     resolve_config("Qwen/Qwen3.5-0.8B")     -> Path of its config.json (only that file is fetched)
 
-An existing local file or directory is used as is; a shipped model's name
+An existing local file or directory is used as is (a GGUF file: the checkpoint folder standing
+for it, kvstate.gguf); a shipped model's name
 (`kvstate-phonebook-hybrid`, kvstate.shipped) is its directory in the package. Anything else is looked up through
 `huggingface_hub`, as transformers does: the local cache when offline (HF_HUB_OFFLINE=1 or no
 network), a download into that cache when online. Every failure is one KvstateError line.
@@ -16,6 +17,7 @@ import os
 from pathlib import Path
 
 from kvstate.errors import KvstateError
+from kvstate.gguf import is_gguf
 
 # What a checkpoint needs: config, weights (+ index), tokenizer and chat template files.
 # "*.json" covers config.json, generation_config.json, tokenizer(_config).json and the index.
@@ -38,9 +40,18 @@ def looks_like_repo_id(text: str) -> bool:
     return True
 
 
-def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
-    """A checkpoint directory: the path itself, or the cached (or downloaded) hub snapshot."""
+def resolve_checkpoint(name_or_path: str | os.PathLike, gguf_file: str | None = None) -> Path:
+    """A checkpoint directory: the path itself, or the cached (or downloaded) hub snapshot.
+
+    A GGUF file (a path, "org/name/file.gguf", or a hub id with `gguf_file`, as transformers takes it)
+    gives the folder standing for it (kvstate.gguf.checkpoint)."""
+    if gguf_file is not None:
+        name_or_path = f"{os.fspath(name_or_path).rstrip('/')}/{gguf_file}"
     path = Path(name_or_path)
+    if is_gguf(path):
+        from kvstate.gguf.checkpoint import checkpoint_dir
+
+        return checkpoint_dir(path if path.is_file() else resolve_gguf(os.fspath(path)))
     if path.exists():
         return path
     if (shipped := _shipped(name_or_path)) is not None:
@@ -64,6 +75,28 @@ def resolve_config(name_or_path: str | os.PathLike) -> Path:
     return Path(_call_hub(repo_id, lambda: hf_hub_download(repo_id, "config.json")))
 
 
+def split_gguf_id(text: str) -> tuple[str, str] | None:
+    """("org/name", "path/in/repo.gguf") for "org/name/path/in/repo.gguf", else None."""
+    parts = text.split("/")
+    if len(parts) < 3 or not is_gguf(text) or not looks_like_repo_id("/".join(parts[:2])):
+        return None
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
+def resolve_gguf(text: str) -> Path:
+    """A GGUF file: the path itself, or "org/name/file.gguf" from the hub cache (or downloaded)."""
+    path = Path(text)
+    if path.is_file():
+        return path
+    split = split_gguf_id(text)
+    if split is None:
+        raise KvstateError(f"{text}: no such file, and not a Hugging Face repo and file (org/name/file.gguf)")
+    repo_id, filename = split
+    from huggingface_hub import hf_hub_download
+
+    return Path(_call_hub(repo_id, lambda: hf_hub_download(repo_id, filename), filename))
+
+
 def _shipped(name: str | os.PathLike) -> Path | None:
     """A shipped model's directory; its name without its weights is one line saying how to get them."""
     from kvstate.shipped import SHIPPED, model_path
@@ -85,7 +118,7 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _call_hub(repo_id: str, fetch):
+def _call_hub(repo_id: str, fetch, filename: str = "config.json"):
     """Run a huggingface_hub fetch, turning each of its failures into one line."""
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError,
@@ -106,7 +139,7 @@ def _call_hub(repo_id: str, fetch):
                                "so nothing is downloaded)") from None
         raise KvstateError(f"{where} not in the Hugging Face cache, and the hub cannot be reached") from None
     except EntryNotFoundError:
-        raise KvstateError(f"{where} the Hugging Face repo has no config.json") from None
+        raise KvstateError(f"{where} the Hugging Face repo has no {filename}") from None
     except HfHubHTTPError as exc:
         raise KvstateError(f"{where} the Hugging Face hub answered: {str(exc).splitlines()[0]}") from None
     except OSError as exc:

@@ -18,6 +18,7 @@ FORBIDDEN = {
     "kernels": ("kvstate.engine", "kvstate.models", "kvstate.layers"),
     "engine": ("kvstate.parallel", "kvstate.llm", "kvstate.server", "kvstate.bench", "kvstate.recall"),
     "parallel": ("kvstate.llm", "kvstate.server", "kvstate.bench", "kvstate.recall"),
+    "gguf": ("kvstate.families", "kvstate.engine", "kvstate.models", "kvstate.layers", "kvstate.config"),
     "terminal": ("kvstate.bench", "kvstate.recall", "kvstate.server"),
 }
 

@@ -13,12 +13,13 @@ and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` 
 same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes, with
 the blocks compiled (as decode runs) and op by op (which splits their time into kernels)
 (`kvstate.bench.step_profile`), and `--llama-bench BIN --gguf FILE [--gguf FILE2]` runs llama.cpp's
-llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files) and prints its
-prefill and decode beside ours, with ratios (`--llama-prompt 0`: its decode only). `--rounds N`
-alternates N decode runs at the smallest and the largest batch (and N batch-1 runs of kvstate and
-llama.cpp, and N `--depth` rounds of each) and prints the median ratios: one-shot ratios on a
-noisy machine wander by 5%. With `--weight-dtype int8` it also measures the logits' error against
-the same checkpoint in fp32 (`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
+llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files; with `--model FILE.gguf`,
+`--llama-bench BIN` alone runs both on that file) and prints its prefill and decode beside ours, with ratios
+(`--llama-prompt 0`: its decode only). `--rounds N` alternates N decode runs at the smallest and the largest
+batch (and N batch-1 runs of kvstate and llama.cpp, and N `--depth` rounds of each) and prints the median
+ratios: one-shot ratios on a noisy machine wander by 5%. With `--weight-dtype int8` it also measures the
+logits' error against the same checkpoint in fp32 (`kvstate.bench.quant_error`). `kvstate.bench.engine_table`
+prints the result.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import time
 
+from kvstate.gguf import is_gguf
 from kvstate.terminal.arg_types import count_arg, decode_tokens_arg, whole_number
 from kvstate.terminal.engine_args import add_weight_dtype
 from kvstate.terminal.number_list import number_list
@@ -69,6 +71,10 @@ def _check_args(args, batches: list[int]) -> None:
 
     from kvstate.errors import KvstateError
 
+    if args.llama_bench and not args.gguf and args.model and is_gguf(args.model):  # llama.cpp on the same file
+        from kvstate.hub import resolve_gguf
+
+        args.gguf = [str(resolve_gguf(args.model))]
     if bool(args.llama_bench) != bool(args.gguf):
         raise KvstateError("--llama-bench and --gguf go together (the binary and the model to run it on)")
     if args.rounds > 1 and len(set(batches)) < 2 and not args.llama_bench:
@@ -115,7 +121,8 @@ def _sides(args, tmp: str, llm_args: dict):
         raise KvstateError(f"--prefill-len or --prompt-len + --new-tokens: {needed} tokens, more than the model's "
                            f"max_position_embeddings {limit}")
     llm = LLM(path, **{**llm_args, "max_model_len": min(needed + 16, limit or needed + 16)})
-    return llm, (None if args.no_reference else _reference(path)), llm.plan.name, path
+    no_reference = args.no_reference or is_gguf(args.model)  # transformers reads no qwen35 GGUF
+    return llm, (None if no_reference else _reference(path)), llm.plan.name, path
 
 
 def _reference(path):

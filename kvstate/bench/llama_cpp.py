@@ -9,7 +9,9 @@ The recipe of `shared/reference/llama-cpp-anchor.md` as code, so the comparison 
 - `run_llama_bench(binary, gguf)`: `llama-bench -o json`, parsed to prefill / decode tokens/s.
 
 Make the files (once, minutes): `python -m kvstate.bench.llama_cpp --source LLAMA_CPP_DIR --out DIR
---outtype f32,bf16`; then `kvstate bench engine --llama-bench BIN --gguf DIR/f32.gguf --gguf ...`.
+--outtype f32,bf16 [--quantize q8_0,q4_k_m --llama-quantize BIN]` (`quantize`: llama-quantize on the
+bf16 file); then `kvstate bench engine --llama-bench BIN --gguf DIR/f32.gguf --gguf ...`, or
+`kvstate bench engine --model DIR/qwen35-0.5b-q8_0.gguf --llama-bench BIN` (both on that one file).
 """
 
 from __future__ import annotations
@@ -173,17 +175,39 @@ def make_checkpoint(directory: str | Path, size: str = "0.5b") -> Path:
     return Path(path)
 
 
-def convert(source: str | Path, checkpoint: str | Path, outtype: str, outfile: str | Path) -> Path:
-    """llama.cpp's converter (of the source tree `source`) on `checkpoint` -> `outfile` in `outtype`."""
+def convert(source: str | Path, checkpoint: str | Path, outtype: str, outfile: str | Path, *,
+            no_mtp: bool = True) -> Path:
+    """llama.cpp's converter (of the source tree `source`) on `checkpoint` -> `outfile` in `outtype`
+    (`no_mtp`: without the MTP head, which the bench leaves out; False for families the flag refuses)."""
     script = Path(source) / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise KvstateError(f"{source}: not a llama.cpp source tree (no convert_hf_to_gguf.py)")
-    argv = [str(checkpoint), "--no-mtp", "--outtype", outtype, "--outfile", str(outfile)]
+    argv = [str(checkpoint), *(["--no-mtp"] if no_mtp else []), "--outtype", outtype, "--outfile", str(outfile)]
     done = subprocess.run([sys.executable, "-c", _CONVERT, str(Path(source).resolve()), *argv],
                           capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise KvstateError(f"convert_hf_to_gguf.py --outtype {outtype} failed: {last[:200]}")
+    return Path(outfile)
+
+
+# llama-quantize's names of the file types it writes, by --quantize's spelling
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K",
+               "iq4_xs": "IQ4_XS"}
+
+
+def quantize(binary: str | Path, source: str | Path, qtype: str, outfile: str | Path, *, threads: int = 2) -> Path:
+    """llama.cpp's `llama-quantize` on the GGUF `source` -> `outfile` in `qtype` (a QUANT_TYPES key)."""
+    if qtype not in QUANT_TYPES:
+        raise KvstateError(f"quantize type {qtype!r}: expected one of {', '.join(QUANT_TYPES)}")
+    try:
+        done = subprocess.run([str(binary), str(source), str(outfile), QUANT_TYPES[qtype], str(threads)],
+                              capture_output=True, text=True)
+    except OSError as exc:
+        raise KvstateError(f"{binary}: cannot run llama-quantize ({exc.strerror or exc})") from None
+    if done.returncode != 0:
+        last = ((done.stderr + done.stdout).strip().splitlines() or ["(no message)"])[-1]
+        raise KvstateError(f"llama-quantize {QUANT_TYPES[qtype]} failed: {last[:200]}")
     return Path(outfile)
 
 
@@ -193,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for the checkpoint and the GGUF files")
     parser.add_argument("--outtype", default="f32,bf16", help="comma-separated: f32, bf16, q8_0, ...")
     parser.add_argument("--size", default="0.5b", help="bench checkpoint size (0.5b or quick)")
+    parser.add_argument("--quantize", default=None, metavar="LIST",
+                        help=f"also write these from the bf16 file with llama-quantize ({', '.join(QUANT_TYPES)})")
+    parser.add_argument("--llama-quantize", default=None, metavar="PATH", help="llama.cpp's llama-quantize binary")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +232,16 @@ def main(argv: list[str] | None = None) -> int:
             target = out / f"qwen35-{args.size}-{outtype}.gguf"
             print(f"converting to {target}", flush=True)
             convert(args.source, ckpt, outtype, target)
+        if args.quantize:
+            if not args.llama_quantize:
+                raise KvstateError("--quantize needs --llama-quantize PATH (llama.cpp's llama-quantize binary)")
+            bf16 = out / f"qwen35-{args.size}-bf16.gguf"
+            if not bf16.is_file():
+                convert(args.source, ckpt, "bf16", bf16)
+            for qtype in args.quantize.split(","):
+                target = out / f"qwen35-{args.size}-{qtype}.gguf"
+                print(f"quantizing to {target}", flush=True)
+                quantize(args.llama_quantize, bf16, qtype, target)
     except KvstateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -64,8 +64,10 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
     bundled = bundled_path(text)
     if bundled is not None:
         return bundled, text.strip().lower()
-    from kvstate.hub import looks_like_repo_id, resolve_config  # lazy: imports huggingface_hub
+    from kvstate.hub import looks_like_repo_id, resolve_config, resolve_gguf, split_gguf_id  # lazy: huggingface_hub
 
+    if split_gguf_id(text):  # org/name/file.gguf: the file from the hub cache
+        return resolve_gguf(text), text
     if looks_like_repo_id(text):
         return resolve_config(text), text
     raise KvstateError(f"{text}: no such file or directory, and not a bundled model "
@@ -73,6 +75,12 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def _parse(path: Path, label: str) -> dict[str, Any]:
+    from kvstate.gguf import is_gguf
+
+    if is_gguf(path) and path.is_file():  # the config its metadata stands for (kvstate.gguf)
+        from kvstate.gguf.metadata import hf_config
+
+        return hf_config(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -22,6 +22,9 @@ from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonic
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
+from kvstate.gguf import is_gguf
+from kvstate.gguf.checkpoint import gguf_file
+from kvstate.gguf.weights import hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
 from kvstate.kernels.quant import quantize_linears
@@ -29,6 +32,9 @@ from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a checkpoint folder: its safetensors shards, or the GGUF file it stands for."""
+    if (gguf := gguf_file(path)) is not None:
+        return [gguf]
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -68,6 +74,8 @@ def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
     """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32."""
+    if is_gguf(files[0]):
+        return matrix_dtype(files[0])
     sizes = {"BF16": 0, "other": 0}
     for file in files:
         try:
@@ -133,7 +141,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     total, done = sum(f.stat().st_size for f in files), 0
     for file in files:
-        for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type):
+        for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type,
+                                             plan.config):
             layout[key] = tuple(tensor.shape)
             if progress is not None:
                 done += tensor.numel() * tensor.element_size()
@@ -147,7 +156,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     missing = [n for n, count in filled.items() if count < params[n].numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise KvstateError(f"{path}: checkpoint is missing tensors for {shown}")
+        where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
+        raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
     if quantize:
         quantize_linears(model)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
@@ -158,9 +168,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return model, plan
 
 
-def _tensors(file: Path, targets_of, model_type: str):
+def _tensors(file: Path, targets_of, model_type: str, config: dict):
     """(name, targets, tensor) of each checkpoint tensor that has targets in our model; a file that is not
     valid safetensors (truncated, garbage) is one KvstateError naming it."""
+    if is_gguf(file):
+        yield from _gguf_tensors(file, targets_of, model_type, config)
+        return
     try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
@@ -173,6 +186,15 @@ def _tensors(file: Path, targets_of, model_type: str):
         raise
     except Exception as exc:  # safetensors raises SafetensorError (a bare Exception subclass) or OSError
         raise KvstateError(f"{file}: not a valid safetensors file ({str(exc).splitlines()[0][:120]})") from None
+
+
+def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict):
+    for key, tensor in hf_tensors(file, config):
+        targets = targets_of(key)
+        if targets is None:
+            raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")
+        if targets:
+            yield key, targets, tensor
 
 
 def _config_hint(plan, expected: tuple[int, ...], got: tuple[int, ...]) -> str:

@@ -1,0 +1,136 @@
+"""A GGUF file's metadata as the config.json its source checkpoint had (torch-free).
+
+llama.cpp's converter writes `<arch>.*` keys from the HF config; `hf_config` writes them back
+under the HF names, per architecture, so the family adapters (kvstate.families) plan the model
+exactly as they plan the checkpoint. Every unreadable file or unknown architecture is one
+KvstateError line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kvstate.errors import KvstateError
+
+
+def open_reader(path: str | os.PathLike):
+    """A gguf.GGUFReader on `path` (memory-mapped); a file it cannot parse is one KvstateError."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except FileNotFoundError:
+        raise KvstateError(f"{path}: no such file") from None
+    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on a bad or truncated file
+        text = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise KvstateError(f"{path}: not a readable GGUF file ({text})") from None
+    reader.source = Path(path)  # for messages: the reader keeps no name of its file
+    return reader
+
+
+def field(reader, key: str, default: Any = None) -> Any:
+    """A metadata value as Python (str, int, float, bool or list), or `default` when absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _qwen35(reader, arch: str) -> dict[str, Any]:
+    """qwen35, qwen35moe and qwen3next (conversion/qwen.py: Qwen3_5TextModel, Qwen3_5MoeTextModel, Qwen3NextModel;
+    llama.cpp runs every qwen3next layer as MoE: no `mlp_only_layers`, `decoder_sparse_step` 1)."""
+    def get(key, default=None, required=True):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None and required:
+            raise KvstateError(f"{reader.source}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    layers = get("block_count")
+    head_dim = get("attention.key_length")
+    recurrent = get("attention.recurrent_layers", required=False)
+    if recurrent is None:  # older files: every `full_attention_interval`-th layer is attention
+        interval = get("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    cfg: dict[str, Any] = dict(
+        model_type=MODEL_TYPES[arch],
+        hidden_size=get("embedding_length"), num_hidden_layers=layers,
+        num_attention_heads=get("attention.head_count"), num_key_value_heads=get("attention.head_count_kv"),
+        head_dim=head_dim, rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=get("context_length"),
+        linear_conv_kernel_dim=get("ssm.conv_kernel"), linear_key_head_dim=get("ssm.state_size"),
+        linear_num_key_heads=get("ssm.group_count"), linear_num_value_heads=get("ssm.time_step_rank"),
+        linear_value_head_dim=get("ssm.inner_size") // get("ssm.time_step_rank"),
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        rope_parameters=dict(rope_type="default", rope_theta=get("rope.freq_base"),
+                             partial_rotary_factor=get("rope.dimension_count") / head_dim),
+        hidden_act="silu", attention_bias=False, tie_word_embeddings=not _has_tensor(reader, "output.weight"),
+    )
+    if arch == "qwen35":
+        cfg["intermediate_size"] = get("feed_forward_length")
+    else:
+        cfg.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
+    if arch == "qwen3next":
+        cfg.update(intermediate_size=get("feed_forward_length", 0), decoder_sparse_step=1, mlp_only_layers=[])
+    return cfg
+
+
+def _mamba2(reader, arch: str) -> dict[str, Any]:
+    """mamba2 (conversion/mamba.py: Mamba2Model)."""
+    def get(key):
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise KvstateError(f"{reader.source}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden, inner, heads = get("embedding_length"), get("ssm.inner_size"), get("ssm.time_step_rank")
+    return dict(model_type="mamba2", hidden_size=hidden, num_hidden_layers=get("block_count"),
+                state_size=get("ssm.state_size"), expand=inner // hidden, n_groups=get("ssm.group_count"),
+                num_heads=heads, head_dim=inner // heads, conv_kernel=get("ssm.conv_kernel"),
+                layer_norm_epsilon=get("attention.layer_norm_rms_epsilon"),
+                use_conv_bias=_has_tensor(reader, "blk.0.ssm_conv1d.bias"),
+                use_bias=_has_tensor(reader, "blk.0.ssm_in.bias"),
+                tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+
+
+# GGUF architecture -> its config reader
+ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2}
+MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
+
+
+def _has_tensor(reader, name: str) -> bool:
+    return any(t.name == name for t in reader.tensors)
+
+
+def vocab_size(reader) -> int:
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise KvstateError(f"{reader.source}: GGUF file has no tensor token_embd.weight")
+    return int(embed.shape[-1])  # GGUF shapes are innermost first: [hidden, vocab]
+
+
+def architecture(reader) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise KvstateError(f"{reader.source}: GGUF architecture {arch!r} is not supported "
+                           f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return arch
+
+
+def config_of(reader) -> dict[str, Any]:
+    """The HF config dict of an open reader."""
+    arch = architecture(reader)
+    cfg = ARCHITECTURES[arch](reader, arch)
+    cfg["vocab_size"] = vocab_size(reader)
+    cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem
+    cfg["gguf_architecture"] = arch
+    for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
+        if (value := field(reader, key)) is not None:
+            cfg[hf] = value
+    return cfg
+
+
+def hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The config.json dict of the GGUF file at `path`."""
+    return config_of(open_reader(path))

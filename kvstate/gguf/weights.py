@@ -1,0 +1,177 @@
+"""A GGUF file's tensors under their checkpoint names, with llama.cpp's converter transforms undone.
+
+The converter (conversion/qwen.py) renames every tensor and, for Qwen3.5 and Qwen3-Next, also: stores
+`-exp(A_log)` as `ssm_a`; adds 1 to the zero-centred RMSNorm weights (not the gated DeltaNet
+norm); squeezes the conv1d weight to [channels, width]; splits Qwen3-Next's in_proj_qkvz into
+[q | k | v] and z (the separate projections Qwen3.5 has, which its adapter takes); and, for Qwen3.5 with
+more value heads than key heads, reorders the value heads from grouped-by-key-head to tiled (rows of the qkv, z,
+a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
+is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
+expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
+way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
+F32, F16 and BF16 tensors keep their dtype; any quantized type is dequantized with gguf's own
+`dequantize` to bfloat16 (one line on stderr per file says so).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from kvstate.errors import KvstateError
+from kvstate.gguf.metadata import open_reader
+
+_RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+# blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # qwen3next: still fused, as in its checkpoint
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# the experts, merged into one [experts, out, in] tensor each: -> mlp.experts.{e}.<name>
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+            "ffn_down_exps.weight": "down_proj.weight"}
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+# Mamba-2 (conversion/mamba.py): the checkpoint's backbone.* names
+_MAMBA2_LAYER = {
+    "attn_norm.weight": "norm.weight", "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
+    "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
+    "ssm_in.weight": "mixer.in_proj.weight", "ssm_in.bias": "mixer.in_proj.bias",
+    "ssm_norm.weight": "mixer.norm.weight",
+    "ssm_out.weight": "mixer.out_proj.weight", "ssm_out.bias": "mixer.out_proj.bias",
+}
+_MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
+                  "output_norm.weight": "backbone.norm_f.weight"}
+# architecture -> (global names, per-layer names, layer prefix)
+_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers")}
+_QWEN = (_GLOBAL, _LAYER, "model.layers")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def hf_name(name: str, arch: str = "qwen35") -> str | None:
+    """The checkpoint name of a GGUF tensor name, or None for a name this architecture does not have."""
+    glob, layer, prefix = _NAMES.get(arch, _QWEN)
+    if name in glob:
+        return glob[name]
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in layer:
+        return f"{prefix}.{m.group(1)}.{layer[m.group(2)]}"
+    if m and layer is _LAYER and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
+        return f"{prefix}.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
+    return None
+
+
+def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """Inverse of the converter's `_reorder_v_heads`: [per_k, k_heads, head_dim] back to [k_heads, per_k, head_dim]."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], per_k, k_heads, head_dim, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """The checkpoint's tensor from the converter's, for the checkpoint name `name`."""
+    if name.endswith("A_log"):
+        t = torch.log(-t.float())
+    if cfg["gguf_architecture"] == "mamba2":  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        t = t.float() - 1
+    k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if k_heads == v_heads or ".linear_attn." not in name or cfg["gguf_architecture"] == "qwen3next":
+        return t  # qwen3next's converter keeps the grouped order
+    per_k, dk, dv = v_heads // k_heads, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+        qk = 2 * k_heads * dk
+        return torch.cat([t[:qk], _tiled_to_grouped(t[qk:], 0, k_heads, per_k, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return _tiled_to_grouped(t, 0, k_heads, per_k, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return _tiled_to_grouped(t, 0, k_heads, per_k, 1)
+    if name.endswith("out_proj.weight"):
+        return _tiled_to_grouped(t, 1, k_heads, per_k, dv)
+    return t
+
+
+def to_torch(tensor, path) -> torch.Tensor:
+    """A ReaderTensor as a torch tensor in its own dtype (quantized types: dequantized, bfloat16)."""
+    kind = tensor.tensor_type.name
+    if kind in _RAW:
+        data = np.asarray(tensor.data)
+        if kind == "BF16":  # gguf hands BF16 as raw uint8/uint16; reinterpret the bytes
+            return torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(_shape(tensor))
+        return torch.from_numpy(data.copy()).reshape(_shape(tensor))
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
+
+
+def _dequantizable(qtype) -> bool:
+    """Whether gguf has a dequantizer for `qtype` (tried on one zero block)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dimension first
+
+
+def is_quantized(tensor) -> bool:
+    return tensor.tensor_type.name not in _RAW
+
+
+def matrix_dtype(path) -> torch.dtype:
+    """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32."""
+    sizes = {"bf16": 0, "fp32": 0}
+    for t in open_reader(path).tensors:
+        if len(t.shape) >= 2:
+            sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
+    return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
+
+
+def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of each tensor of the GGUF file at `path`; an unknown name is one KvstateError."""
+    path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
+    reader = open_reader(path)
+    quantized = sorted({t.tensor_type.name for t in reader.tensors if is_quantized(t)})
+    for t in reader.tensors:  # before any work: a type nothing reads fails the load at once
+        if is_quantized(t) and not _dequantizable(t.tensor_type):
+            raise KvstateError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate cannot "
+                               f"read (supported: F32, F16, BF16 and the types gguf dequantizes)")
+    if quantized:
+        print(f"{path}: {', '.join(quantized)} tensors dequantized to bf16 at load", file=sys.stderr)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, cfg["gguf_architecture"])
+        if name is None:
+            raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
+        data = undo_transforms(name, to_torch(tensor, path), cfg)
+        if "{e}" in name:
+            for e in range(data.shape[0]):
+                yield name.format(e=e), data[e]
+        else:
+            yield name, data

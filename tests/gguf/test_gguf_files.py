@@ -1,0 +1,128 @@
+"""GGUF files written with gguf's GGUFWriter: quantized matrices load dequantized (logits equal the model
+holding gguf's dequantization), and each bad file is one line and exit 2 at the CLI, never a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from kvstate.cli import main
+from kvstate.models.generate import forward_logits
+from kvstate.models.loader import load_model
+from tests.gguf.rewrite import rewrite
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0])
+def test_quantized_file_gives_the_dequantized_models_logits(converted, tmp_path, qtype):
+    quant = rewrite(converted["f32"], tmp_path / f"{qtype.name}.gguf", qtype=qtype)
+    ref = rewrite(converted["f32"], tmp_path / "ref.gguf", qtype=qtype, dequantized=True)
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    plain, _ = load_model(converted["f32"])
+    for got, want, orig in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS),
+                               forward_logits(plain, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+        assert float((got - orig).norm() / orig.norm()) > 1e-4  # the quantization did change the weights
+
+
+def test_memory_reads_a_gguf_without_torch(converted):
+    code = ("import sys\nfrom kvstate.cli import main\nrc = main(['memory', '--json', sys.argv[1]])\n"
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(converted["f32"])], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert '"layer_string": "GAGGA"' in done.stdout
+
+
+def _one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err and needle in err, err
+
+
+def test_truncated_file_is_one_line(converted, tmp_path, capsys):
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(converted["f32"].read_bytes()[:5000])
+    _one_line(capsys, ["memory", str(bad)], "not a readable GGUF file")
+    _one_line(capsys, ["generate", "--model", str(bad), "hi"], "not a readable GGUF file")
+
+
+def test_unknown_architecture_is_one_line(converted, tmp_path, capsys):
+    bad = rewrite(converted["f32"], tmp_path / "llama.gguf", arch="llama")
+    _one_line(capsys, ["memory", str(bad)], "GGUF architecture 'llama' is not supported")
+
+
+def test_unsupported_tensor_type_is_one_line(converted, tmp_path, capsys):
+    bad = rewrite(converted["f32"], tmp_path / "i32.gguf", retype={"blk.0.ffn_up.weight": np.int32})
+    _one_line(capsys, ["generate", "--model", str(bad), "hi"], "'blk.0.ffn_up.weight' has type I32")
+
+
+def test_missing_tensor_is_one_line(converted, tmp_path, capsys):
+    bad = rewrite(converted["f32"], tmp_path / "short.gguf", drop={"blk.2.ffn_up.weight"})
+    _one_line(capsys, ["generate", "--model", str(bad), "hi"],
+              f"{bad.resolve()}: checkpoint is missing tensors for layers.2")
+
+
+def test_generate_runs_a_gguf_alone(converted, capsys):
+    assert main(["generate", "--model", str(converted["f32"]), "def f(x):", "--max-tokens", "4", "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+
+
+def test_hub_repo_and_file_from_the_offline_cache(converted, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from kvstate.hub import resolve_checkpoint
+    from tests.hub_cache import populate
+
+    populate(tmp_path / "hub", "org/tiny-GGUF", {"tiny-f32.gguf": converted["f32"].read_bytes()})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = resolve_checkpoint("org/tiny-GGUF", gguf_file="tiny-f32.gguf")
+    assert resolve_checkpoint("org/tiny-GGUF/tiny-f32.gguf") == folder
+    model, _ = load_model("org/tiny-GGUF/tiny-f32.gguf")
+    plain, _ = load_model(converted["f32"])
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(plain, SEQS)):
+        assert float((got - want).norm() / want.norm()) == 0.0
+    assert main(["memory", "org/tiny-GGUF/tiny-f32.gguf"]) == 0
+    capsys.readouterr()
+    _one_line(capsys, ["memory", "org/tiny-GGUF/absent.gguf"], "not in the Hugging Face cache")
+
+
+def test_bench_engine_runs_llama_bench_on_the_same_gguf(converted, tmp_path, capsys):
+    import json
+
+    from tests.test_bench_llama_cpp import fake_llama_bench
+
+    binary, _ = fake_llama_bench(tmp_path)
+    assert main(["bench", "engine", "--model", str(converted["f32"]), "--batches", "1", "--prompt-len", "6",
+                 "--new-tokens", "4", "--prefill-len", "12", "--threads", "1", "--llama-bench", binary,
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    args = json.loads((tmp_path / "args.json").read_text())
+    assert args[:2] == ["-m", str(converted["f32"].resolve())]
+    assert [r["test"] for r in out["llama_cpp"]] == ["pp12", "tg64"]
+
+
+def test_llama_quantize_q4_k_m_file_gives_the_dequantized_models_logits(converted, tmp_path):
+    from gguf import GGUFReader
+
+    from kvstate.bench.llama_cpp import quantize
+    from tests.gguf.conftest import LLAMA_QUANTIZE
+
+    if not LLAMA_QUANTIZE.is_file():
+        pytest.skip(f"no llama-quantize at {LLAMA_QUANTIZE}")
+    quant = quantize(LLAMA_QUANTIZE, converted["bf16"], "q4_k_m", tmp_path / "q4_k_m.gguf", threads=1)
+    kinds = {t.tensor_type.name for t in GGUFReader(str(quant)).tensors}
+    assert {"Q4_K", "Q6_K"} <= kinds, kinds
+    ref = rewrite(quant, tmp_path / "ref.gguf", dequantized=True)
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
