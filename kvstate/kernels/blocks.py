@@ -6,8 +6,11 @@ its forward then multiplies by exactly the weights they mean (`ggml_blocks.dequa
 `gguf.quants.dequantize`): "exact by default", fp32 activations, no rounding of x. The state dict
 holds the blocks under `weight` and the GGML type number under `weight_type`.
 
-`block_linear` is the torch path: it dequantizes a tile of rows at a time (a few hundred KiB of fp32,
-so the full fp32 matrix never exists) and multiplies each tile with one fp32 GEMM.
+`block_linear` runs the compiled kernel (csrc/quant_*: AVX-512 or AVX2, each block dequantized
+exactly in registers, FMAs with fp32 x) for up to `MAX_ROWS` rows, and otherwise (prefill, no
+extension, `kernels.backend("torch")`) the torch path: it dequantizes a tile of rows at a time (a
+few hundred KiB of fp32, so the full fp32 matrix never exists) and multiplies each tile with one
+fp32 GEMM. Both multiply by the same weights; only the summation order differs.
 """
 
 from __future__ import annotations
@@ -16,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstate.kernels import _ext
+from kvstate.kernels.dispatch import MAX_ROWS_BF16, choice
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
 
 SUPPORTED: frozenset[str] = frozenset(TYPES)
 TILE_WEIGHTS = 1 << 16  # fp32 weights dequantized per tile (256 KiB)
+MAX_ROWS = MAX_ROWS_BF16  # the kernel reads each block once for all rows, like the bf16 path
 
 
 def set_block_weight(linear: nn.Module, raw: torch.Tensor, qtype: str) -> None:
@@ -46,6 +52,12 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
     n = raw.shape[0]
     k = raw.shape[1] // TYPES[qtype].nbytes * TYPES[qtype].block
     x2 = x.reshape(-1, k).float()  # [M, K]
+    isa = _isa(x2)
+    if isa is not None:
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        y = _ext.load().quant_linear(x2, raw, bias, TYPES[qtype].type_id, isa)
+        return y.reshape(*x.shape[:-1], n).to(x.dtype)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     rows = max(1, TILE_WEIGHTS // k)
     for start in range(0, n, rows):
@@ -53,3 +65,20 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
         b = None if bias is None else bias[start:stop].float()
         y[:, start:stop] = F.linear(x2, dequantize(raw[start:stop], qtype), b)
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def _isa(x2: torch.Tensor) -> str | None:
+    """The ISA the compiled kernel runs for x [M, K] (the backend's, within the KVSTATE_KERNELS cap;
+    AMX's calls go to AVX-512), or None for the torch path."""
+    chosen = choice()
+    if chosen == "torch" or x2.shape[0] > MAX_ROWS or not x2.is_cpu or x2.dtype != torch.float32:
+        return None
+    if torch.is_grad_enabled() and x2.requires_grad:
+        return None
+    ext = _ext.load()
+    if ext is None or not hasattr(ext, "quant_linear"):
+        return None
+    if chosen in ("avx512", "avx2"):
+        return chosen  # (the kernel says so when this CPU lacks it)
+    have = [i for i in ext.isas() if i != "amx" and (ext.isa_cap() != "avx2" or i == "avx2")]
+    return have[0] if have else None

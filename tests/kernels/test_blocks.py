@@ -2,7 +2,8 @@
 our torch dequantizer equals `gguf.quants.dequantize` bit for bit on random blocks (K-quants: random
 bytes with finite fp16 scales, since their meaning is the dequantizer's); Q8_0 and Q4_0 quantize to
 `gguf.quants.quantize`'s bytes, Q4_K to ggml's `quantize_row_q4_K_ref` (through ctypes, where a
-llama.cpp build is at hand); a Linear holding blocks multiplies by exactly the dequantized weights."""
+llama.cpp build is at hand); a Linear holding blocks multiplies by exactly the dequantized weights,
+through the compiled kernel (each ISA the CPU has) and the torch path."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from kvstate.kernels import Linear
-from kvstate.kernels.blocks import SUPPORTED, block_linear, set_block_weight
+from kvstate.kernels.blocks import MAX_ROWS, SUPPORTED, block_linear, set_block_weight
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
 from kvstate.kernels.ggml_quantize import QUANTIZABLE, quantize
+from tests.kernels.conftest import assert_close_to_truth, extension
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants  # noqa: E402
@@ -142,3 +144,52 @@ def test_set_block_weight_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="multiple of 256 weights; this Linear's rows have 100"):
         set_block_weight(Linear(100, 8), torch.zeros(8, 144, dtype=torch.uint8), "Q4_K")
     assert m.weight.dtype == torch.float32  # untouched by the refusals
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("n,k", [(1, 256), (37, 512), (130, 1280)])
+def test_compiled_kernel_against_gguf_dequantize_on_each_isa(qtype, n, k):
+    """Every ISA this CPU has, 1 to 17 rows (the single pass of up to 4 rows and the buffered row
+    beyond), with and without bias, against float64 sums over `gguf.quants.dequantize`'s weights
+    (elementwise, within 1e-6 of the sum of |terms|: random K-quant blocks cancel heavily)."""
+    ext = extension()
+    t = TYPES[qtype]
+    raw = random_blocks(qtype, n, k // t.block, seed=n * k)
+    w = torch.from_numpy(quants.dequantize(raw, _gguf_type(qtype))).double()
+    g = torch.Generator().manual_seed(n)
+    b = torch.randn(n, generator=g)
+    for isa in [i for i in ext.isas() if i != "amx"]:
+        for m in (1, 2, 3, 4, 5, 8, 17):
+            x = torch.randn(m, k, generator=g)
+            bias = b if m % 2 else None
+            assert_close_to_truth(ext.quant_linear(x, torch.from_numpy(raw), bias, t.type_id, isa), x, w, bias)
+
+
+def test_compiled_kernel_refuses_bad_arguments():
+    ext = extension()
+    raw = torch.zeros(4, 144, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="GGML type 3 is not served"):
+        ext.quant_linear(torch.zeros(1, 256), raw, None, 3, "avx2")
+    with pytest.raises(RuntimeError, match="x has 512 columns; the weight rows hold 144 bytes"):
+        ext.quant_linear(torch.zeros(1, 512), raw, None, 12, "avx2")
+    with pytest.raises(RuntimeError, match="weight must be contiguous uint8"):
+        ext.quant_linear(torch.zeros(1, 256), raw.to(torch.int8), None, 12, "avx2")
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        ext.quant_linear(torch.zeros(1, 256), raw, torch.zeros(3), 12, "avx2")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "avx2"])
+def test_linear_takes_the_kernel_for_few_rows_and_torch_beyond(backend):
+    from kvstate import kernels
+
+    m, w = _block_linear("Q4_K", 40, 512, bias=True, seed=6)
+    ext = extension()
+    for rows in (1, 7, MAX_ROWS + 1):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        before = sum(ext.quant_calls())
+        with torch.no_grad(), kernels.backend(backend):
+            y = m(x)
+        ran = sum(ext.quant_calls()) - before
+        assert ran == (1 if backend != "torch" and rows <= MAX_ROWS else 0), (backend, rows)
+        ref = F.linear(x.double(), w.double(), m.bias.double())
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
