@@ -34,6 +34,14 @@ struct Isa {
   static VI or_(VI a, VI b) { return _mm512_or_si512(a, b); }
   static VI srl(VI a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
   static VI sll(VI a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+  // table lookups of floats by int32 index: 16 entries, or 32 (bit 4 picks the second table)
+  static constexpr int kTileRows = 4;  // 4 W rows x 4 x rows: 16 accumulators + 4 W + 1 x registers
+  static constexpr bool kLut = true;
+  static VI iota(int base) {
+    return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static V lut16(VI idx, V t) { return _mm512_permutexvar_ps(idx, t); }
+  static V lut32(VI idx, V t, V u) { return _mm512_permutex2var_ps(t, idx, u); }
 };
 
 #include "quant_tile.h"

@@ -14,7 +14,6 @@ namespace kvstate::quant {
 
 // GGML_TYPE_* numbers (ggml.h) of the types served
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-constexpr int64_t kChunk = 256;  // weights dequantized at a time (one K-quant block, eight 32-blocks)
 
 int block_weights(int type);  // 32 or 256; 0 for a type not served
 int block_bytes(int type);

@@ -1,8 +1,8 @@
 // The block GEMM, included once per ISA inside its namespace and target pragma (quant_avx512.cpp,
 // quant_avx2.cpp) after a `struct Isa` with: V (kLanes floats), zero, load, store, fma, add, mul, sub,
-// set1, reduce, u8 (kLanes bytes -> int32 lanes), cvt (int32 lanes -> floats), and_, srl, keep.
-// Per W row: each chunk of up to 256 weights is dequantized into an L1 buffer, then every x row's
-// accumulator takes its FMAs from the buffer (the weights are read from memory once for all M rows).
+// set1, reduce, u8 / i8 (L bytes -> int32 lanes), cvt, and_, or_, srl, sll, keep, and kLut with
+// iota / lut16 / lut32 (a table lookup of floats by int32 index), kTileRows. The weights are read from memory
+// once for all M rows.
 
 static inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -14,6 +14,9 @@ static constexpr int L = Isa::L;
 using V = typename Isa::V;
 using VI = typename Isa::VI;
 
+// Each dequantizer below hands its weights to `sink(offset in the block, V of L weights)`: a store
+// into a buffer, or the FMAs of up to 4 x rows straight from the registers.
+
 // codes [L] as floats, times s, minus m: the dequantized weights (no fused multiply-add: ggml rounds
 // the product first)
 static inline V affine(VI q, float s, float m) {
@@ -24,18 +27,20 @@ static inline V affine(VI q, float s, float m) {
 
 static inline V scaled(VI q, float s) { return Isa::mul(Isa::set1(s), Isa::cvt(q)); }
 
-// 32 weights of a Q8_0 / Q4_0 block
-static void deq_q8_0(const uint8_t* b, float* out) {
+template <class Sink>
+static inline void deq_q8_0(const uint8_t* b, Sink&& sink) {  // 34 bytes: d, qs int8[32]
   const float d = f16(b);
-  for (int i = 0; i < 32; i += L) Isa::store(out + i, Isa::mul(Isa::cvt(Isa::i8(b + 2 + i)), Isa::set1(d)));
+  for (int i = 0; i < 32; i += L) sink(i, Isa::mul(Isa::cvt(Isa::i8(b + 2 + i)), Isa::set1(d)));
 }
-static void deq_q4_0(const uint8_t* b, float* out) {
+
+template <class Sink>
+static inline void deq_q4_0(const uint8_t* b, Sink&& sink) {  // 18 bytes: d, qs[16] (weights j and j + 16)
   const float d = f16(b);
+  const VI eight = Isa::iset1(8);
   for (int i = 0; i < 16; i += L) {
     const VI q = Isa::u8(b + 2 + i);
-    const VI eight = Isa::iset1(8);
-    Isa::store(out + i, Isa::mul(Isa::cvt(Isa::isub(Isa::and_(q, Isa::iset1(15)), eight)), Isa::set1(d)));
-    Isa::store(out + 16 + i, Isa::mul(Isa::cvt(Isa::isub(Isa::srl(q, 4), eight)), Isa::set1(d)));
+    sink(i, Isa::mul(Isa::cvt(Isa::isub(Isa::and_(q, Isa::iset1(15)), eight)), Isa::set1(d)));
+    sink(16 + i, Isa::mul(Isa::cvt(Isa::isub(Isa::srl(q, 4), eight)), Isa::set1(d)));
   }
 }
 
@@ -50,39 +55,65 @@ static inline void scale_min(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
-static void deq_qk(const uint8_t* b, float* out, bool five) {  // Q4_K (144 bytes) or Q5_K (176)
+// Q4_K (144 bytes: d, dmin, scales[12], qs[128]) or Q5_K (176: d, dmin, scales[12], qh[32], qs[128]).
+// Where the ISA can look up 16 (32) floats by index (AVX-512's permutes), a sub-block's 16 (32)
+// possible weights d * sc * q - dmin * m are computed once, exactly as above, and each code picks
+// its value: the same weights for fewer operations than converting and scaling every code.
+template <bool FIVE, class Sink>
+static inline void deq_qk(const uint8_t* b, Sink&& sink) {
   const float d = f16(b), dmin = f16(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (five ? 48 : 16);
+  const uint8_t* qs = b + (FIVE ? 48 : 16);
   for (int c = 0; c < 4; ++c) {
     int sc0, m0, sc1, m1;
     scale_min(2 * c, scales, sc0, m0);
     scale_min(2 * c + 1, scales, sc1, m1);
     const float d0 = d * float(sc0), dm0 = dmin * float(m0), d1 = d * float(sc1), dm1 = dmin * float(m1);
-    for (int i = 0; i < 32; i += L) {
-      const VI q = Isa::u8(qs + 32 * c + i);
-      VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
-      if (five) {
-        const VI h = Isa::u8(qh + i);
-        lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
-        hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
+    if constexpr (Isa::kLut) {
+      const V t0 = affine(Isa::iota(0), d0, dm0), t1 = affine(Isa::iota(0), d1, dm1);
+      [[maybe_unused]] const V u0 = FIVE ? affine(Isa::iota(16), d0, dm0) : t0;
+      [[maybe_unused]] const V u1 = FIVE ? affine(Isa::iota(16), d1, dm1) : t1;
+      for (int i = 0; i < 32; i += L) {
+        const VI q = Isa::u8(qs + 32 * c + i);
+        VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
+        if constexpr (FIVE) {
+          const VI h = Isa::u8(qh + i);
+          lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
+          hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
+          sink(64 * c + i, Isa::lut32(lo, t0, u0));
+          sink(64 * c + 32 + i, Isa::lut32(hi, t1, u1));
+        } else {
+          sink(64 * c + i, Isa::lut16(lo, t0));
+          sink(64 * c + 32 + i, Isa::lut16(hi, t1));
+        }
       }
-      Isa::store(out + 64 * c + i, affine(lo, d0, dm0));
-      Isa::store(out + 64 * c + 32 + i, affine(hi, d1, dm1));
+    } else {
+      for (int i = 0; i < 32; i += L) {
+        const VI q = Isa::u8(qs + 32 * c + i);
+        VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
+        if constexpr (FIVE) {
+          const VI h = Isa::u8(qh + i);
+          lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
+          hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
+        }
+        sink(64 * c + i, affine(lo, d0, dm0));
+        sink(64 * c + 32 + i, affine(hi, d1, dm1));
+      }
     }
   }
 }
 
-static void deq_q6_k(const uint8_t* b, float* out) {  // 210 bytes: ql[128], qh[64], scales int8[16], d
+template <class Sink>
+static inline void deq_q6_k(const uint8_t* b, Sink&& sink) {  // 210 bytes: ql[128], qh[64], scales int8[16], d
   const float d = f16(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const VI m32 = Isa::iset1(32), f = Isa::iset1(15), three = Isa::iset1(3);
   for (int half = 0; half < 2; ++half) {
     const uint8_t* ql = b + 64 * half;
     const uint8_t* qh = b + 128 + 32 * half;
-    float* o = out + 128 * half;
     const int8_t* s = sc + 8 * half;
-    const VI m32 = Isa::iset1(32), f = Isa::iset1(15), three = Isa::iset1(3);
+    const int o = 128 * half;
     for (int i = 0; i < 32; i += L) {
       const VI a = Isa::u8(ql + i), c = Isa::u8(ql + 32 + i), h = Isa::u8(qh + i);
       const int is = i / 16;  // with L = 16 one scale per vector; with L = 8 two vectors share it
@@ -90,75 +121,109 @@ static void deq_q6_k(const uint8_t* b, float* out) {  // 210 bytes: ql[128], qh[
       const VI q2 = Isa::isub(Isa::or_(Isa::and_(c, f), Isa::sll(Isa::and_(Isa::srl(h, 2), three), 4)), m32);
       const VI q3 = Isa::isub(Isa::or_(Isa::srl(a, 4), Isa::sll(Isa::and_(Isa::srl(h, 4), three), 4)), m32);
       const VI q4 = Isa::isub(Isa::or_(Isa::srl(c, 4), Isa::sll(Isa::and_(Isa::srl(h, 6), three), 4)), m32);
-      Isa::store(o + i, scaled(q1, d * float(s[is])));
-      Isa::store(o + 32 + i, scaled(q2, d * float(s[is + 2])));
-      Isa::store(o + 64 + i, scaled(q3, d * float(s[is + 4])));
-      Isa::store(o + 96 + i, scaled(q4, d * float(s[is + 6])));
+      sink(o + i, scaled(q1, d * float(s[is])));
+      sink(o + 32 + i, scaled(q2, d * float(s[is + 2])));
+      sink(o + 64 + i, scaled(q3, d * float(s[is + 4])));
+      sink(o + 96 + i, scaled(q4, d * float(s[is + 6])));
     }
   }
 }
 
-// dequantize the weights [k0, k0 + n) of one row (k0 and n multiples of the block) into out
-static void dequant_chunk(int type, const uint8_t* row, int64_t k0, int64_t n, float* out) {
-  const int bw = block_weights(type), bb = block_bytes(type);
-  for (int64_t k = 0; k < n; k += bw) {
-    const uint8_t* b = row + (k0 + k) / bw * bb;
-    switch (type) {
-      case kQ8_0: deq_q8_0(b, out + k); break;
-      case kQ4_0: deq_q4_0(b, out + k); break;
-      case kQ4_K: deq_qk(b, out + k, false); break;
-      case kQ5_K: deq_qk(b, out + k, true); break;
-      default: deq_q6_k(b, out + k); break;
-    }
+// every block of a row, each handed to sink(weight index in the row, V)
+template <int TYPE, class Sink>
+static inline void each_block(const uint8_t* row, int64_t K, Sink&& sink) {
+  constexpr int bw = TYPE == kQ8_0 || TYPE == kQ4_0 ? 32 : 256;
+  constexpr int bb = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kQ4_K ? 144 : TYPE == kQ5_K ? 176 : 210;
+  for (int64_t k = 0; k < K; k += bw) {
+    const uint8_t* b = row + k / bw * bb;
+    auto at = [&](int off, V w) { sink(k + off, w); };
+    if constexpr (TYPE == kQ8_0) deq_q8_0(b, at);
+    else if constexpr (TYPE == kQ4_0) deq_q4_0(b, at);
+    else if constexpr (TYPE == kQ4_K) deq_qk<false>(b, at);
+    else if constexpr (TYPE == kQ5_K) deq_qk<true>(b, at);
+    else deq_q6_k(b, at);
   }
 }
 
-// x rows [m0, m0 + MT) against the buffer's n weights (from column k0): acc[r] += buf * x[r]
-template <int MT>
-static inline void dot_chunk(const Args& a, int64_t m0, int64_t k0, int64_t n, const float* buf, V* acc) {
-  const float* x = a.x + m0 * a.K + k0;
-  for (int64_t i = 0; i < n; i += L) {
-    V w = Isa::load(buf + i);
-    Isa::keep(w);
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r) acc[r] = Isa::fma(w, Isa::load(x + r * a.K + i), acc[r]);
-  }
-}
-
-template <int MT>
-static void group(const Args& a, int64_t n, int64_t m0, const float* deq, bool whole) {
+// x rows [m0, m0 + MT) against W row n, its blocks dequantized in registers
+template <int TYPE, int MT>
+static void group(const Args& a, int64_t n, int64_t m0) {
   V acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = Isa::zero();
-  alignas(64) float buf[kChunk];
-  const uint8_t* row = a.w + n * a.row_bytes;
-  for (int64_t k0 = 0; k0 < a.K; k0 += kChunk) {
-    const int64_t len = a.K - k0 < kChunk ? a.K - k0 : kChunk;
-    const float* src = deq + k0;
-    if (!whole) {
-      dequant_chunk(a.type, row, k0, len, buf);
-      src = buf;
-    }
-    dot_chunk<MT>(a, m0, k0, len, src, acc);
-  }
+  const float* x = a.x + m0 * a.K;
+  auto fmas = [&](int64_t k, V w) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) acc[r] = Isa::fma(w, Isa::load(x + r * a.K + k), acc[r]);
+  };
+  each_block<TYPE>(a.w + n * a.row_bytes, a.K, fmas);
   const float b = a.bias ? a.bias[n] : 0.f;
   for (int r = 0; r < MT; ++r) a.y[(m0 + r) * a.N + n] = Isa::reduce(acc[r]) + b;
 }
 
-void rows(const Args& a, int64_t n0, int64_t n1) {
+// x rows [m0, m0 + MT) against the 4 W rows from n, dequantized already in deq [4][K]: a register tile
+// of 4 x MT accumulators, each x vector loaded once for 4 FMAs (the buffers are read from L1/L2)
+template <int MT>
+static void tile4(const Args& a, int64_t n, int64_t m0, const float* deq) {
+  V acc[4][MT];
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < MT; ++r) acc[j][r] = Isa::zero();
+  const float* x = a.x + m0 * a.K;
+  for (int64_t k = 0; k < a.K; k += L) {
+    V w[4];
+    for (int j = 0; j < 4; ++j) {
+      w[j] = Isa::load(deq + j * a.K + k);
+      Isa::keep(w[j]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) {
+      V xv = Isa::load(x + r * a.K + k);
+      Isa::keep(xv);
+      for (int j = 0; j < 4; ++j) acc[j][r] = Isa::fma(w[j], xv, acc[j][r]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const float b = a.bias ? a.bias[n + j] : 0.f;
+    for (int r = 0; r < MT; ++r) a.y[(m0 + r) * a.N + n + j] = Isa::reduce(acc[j][r]) + b;
+  }
+}
+
+template <int TYPE>
+static void rows_of(const Args& a, int64_t n0, int64_t n1) {
   constexpr int kTile = 4;  // x rows per pass over a W row
-  // more than one pass: dequantize the row once into a buffer (L1/L2) that every pass reads
-  const bool whole = a.M > kTile;
-  std::vector<float> row_buf(whole ? a.K : 0);
-  float* deq = row_buf.data();
-  for (int64_t n = n0; n < n1; ++n) {
-    if (whole) dequant_chunk(a.type, a.w + n * a.row_bytes, 0, a.K, deq);
+  constexpr int kTileRows = Isa::kTileRows;  // x rows of the 4-W-row tile (what the registers hold)
+  int64_t n = n0;
+  if (a.M > kTile) {
+    // more rows: 4 W rows at a time are dequantized once into buffers that every pass reads
+    std::vector<float> buf(4 * a.K);
+    for (; n + 4 <= n1; n += 4) {
+      for (int j = 0; j < 4; ++j) {
+        float* d = buf.data() + j * a.K;
+        each_block<TYPE>(a.w + (n + j) * a.row_bytes, a.K, [&](int64_t k, V w) { Isa::store(d + k, w); });
+      }
+      int64_t m = 0;
+      for (; m + kTileRows <= a.M; m += kTileRows) tile4<kTileRows>(a, n, m, buf.data());
+      for (; m < a.M; ++m) tile4<1>(a, n, m, buf.data());
+    }
+  }
+  // up to 4 rows (and the last W rows): dequantized in registers, straight into the FMAs
+  for (; n < n1; ++n) {
     int64_t m = 0;
-    for (; m + kTile <= a.M; m += kTile) group<kTile>(a, n, m, deq, whole);
+    for (; m + kTile <= a.M; m += kTile) group<TYPE, kTile>(a, n, m);
     switch (a.M - m) {
-      case 3: group<3>(a, n, m, deq, whole); break;
-      case 2: group<2>(a, n, m, deq, whole); break;
-      case 1: group<1>(a, n, m, deq, whole); break;
+      case 3: group<TYPE, 3>(a, n, m); break;
+      case 2: group<TYPE, 2>(a, n, m); break;
+      case 1: group<TYPE, 1>(a, n, m); break;
       default: break;
     }
+  }
+}
+
+void rows(const Args& a, int64_t n0, int64_t n1) {
+  switch (a.type) {
+    case kQ8_0: rows_of<kQ8_0>(a, n0, n1); break;
+    case kQ4_0: rows_of<kQ4_0>(a, n0, n1); break;
+    case kQ4_K: rows_of<kQ4_K>(a, n0, n1); break;
+    case kQ5_K: rows_of<kQ5_K>(a, n0, n1); break;
+    default: rows_of<kQ6_K>(a, n0, n1); break;
   }
 }
