@@ -70,35 +70,28 @@ static inline void deq_qk(const uint8_t* b, Sink&& sink) {
     scale_min(2 * c, scales, sc0, m0);
     scale_min(2 * c + 1, scales, sc1, m1);
     const float d0 = d * float(sc0), dm0 = dmin * float(m0), d1 = d * float(sc1), dm1 = dmin * float(m1);
+    [[maybe_unused]] V t0, t1, u0, u1;  // the lookup tables: codes 0-15 and (Q5_K) 16-31
     if constexpr (Isa::kLut) {
-      const V t0 = affine(Isa::iota(0), d0, dm0), t1 = affine(Isa::iota(0), d1, dm1);
-      [[maybe_unused]] const V u0 = FIVE ? affine(Isa::iota(16), d0, dm0) : t0;
-      [[maybe_unused]] const V u1 = FIVE ? affine(Isa::iota(16), d1, dm1) : t1;
-      for (int i = 0; i < 32; i += L) {
-        const VI q = Isa::u8(qs + 32 * c + i);
-        VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
-        if constexpr (FIVE) {
-          const VI h = Isa::u8(qh + i);
-          lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
-          hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
-          sink(64 * c + i, Isa::lut32(lo, t0, u0));
-          sink(64 * c + 32 + i, Isa::lut32(hi, t1, u1));
-        } else {
-          sink(64 * c + i, Isa::lut16(lo, t0));
-          sink(64 * c + 32 + i, Isa::lut16(hi, t1));
-        }
+      t0 = affine(Isa::iota(0), d0, dm0), t1 = affine(Isa::iota(0), d1, dm1);
+      u0 = FIVE ? affine(Isa::iota(16), d0, dm0) : t0, u1 = FIVE ? affine(Isa::iota(16), d1, dm1) : t1;
+    }
+    for (int i = 0; i < 32; i += L) {
+      const VI q = Isa::u8(qs + 32 * c + i);
+      VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
+      if constexpr (FIVE) {
+        const VI h = Isa::u8(qh + i);
+        lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
+        hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
       }
-    } else {
-      for (int i = 0; i < 32; i += L) {
-        const VI q = Isa::u8(qs + 32 * c + i);
-        VI lo = Isa::and_(q, Isa::iset1(15)), hi = Isa::srl(q, 4);
-        if constexpr (FIVE) {
-          const VI h = Isa::u8(qh + i);
-          lo = Isa::or_(lo, Isa::sll(Isa::and_(Isa::srl(h, 2 * c), Isa::iset1(1)), 4));
-          hi = Isa::or_(hi, Isa::sll(Isa::and_(Isa::srl(h, 2 * c + 1), Isa::iset1(1)), 4));
-        }
+      if constexpr (!Isa::kLut) {
         sink(64 * c + i, affine(lo, d0, dm0));
         sink(64 * c + 32 + i, affine(hi, d1, dm1));
+      } else if constexpr (FIVE) {
+        sink(64 * c + i, Isa::lut32(lo, t0, u0));
+        sink(64 * c + 32 + i, Isa::lut32(hi, t1, u1));
+      } else {
+        sink(64 * c + i, Isa::lut16(lo, t0));
+        sink(64 * c + 32 + i, Isa::lut16(hi, t1));
       }
     }
   }
