@@ -17,9 +17,9 @@ llama-bench on the same model (`kvstate.bench.llama_cpp` makes the GGUF files; w
 `--llama-bench BIN` alone runs both on that file) and prints its prefill and decode beside ours, with ratios
 (`--llama-prompt 0`: its decode only). `--rounds N` alternates N decode runs at the smallest and the largest
 batch (and N batch-1 runs of kvstate and llama.cpp, and N `--depth` rounds of each) and prints the median
-ratios: one-shot ratios on a noisy machine wander by 5%. With `--weight-dtype int8` it also measures the
-logits' error against the same checkpoint in fp32 (`kvstate.bench.quant_error`). `kvstate.bench.engine_table`
-prints the result.
+ratios: one-shot ratios on a noisy machine wander by 5%. With quantized weights (`--weight-dtype int8`,
+`q4_k`, ...) it also measures the logits' error against the same checkpoint in fp32
+(`kvstate.bench.quant_error`). `kvstate.bench.engine_table` prints the result.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import json
 import time
 
 from kvstate.gguf import is_gguf
+from kvstate.config.dtypes import QUANTIZED_WEIGHT_DTYPES
 from kvstate.terminal.arg_types import count_arg, decode_tokens_arg, whole_number
 from kvstate.terminal.engine_args import add_weight_dtype
 from kvstate.terminal.number_list import number_list
@@ -172,12 +173,12 @@ def run(args: argparse.Namespace) -> int:
         from kvstate.bench.depth import engine_part
 
         result.update(engine_part(args, console, llm, depths, prefill_len, new))
-        if args.weight_dtype == "int8":  # what int8 costs in logits, against the same checkpoint in fp32
+        if args.weight_dtype in QUANTIZED_WEIGHT_DTYPES:  # what it costs in logits, against the checkpoint in fp32
             from kvstate.bench.quant_error import logit_error
 
-            with console.status("int8 logits against the fp32 model"):
+            with console.status(f"{args.weight_dtype} logits against the fp32 model"):
                 ids = torch.randint(0, llm.plan.vocab_size, (plen,), generator=torch.Generator().manual_seed(1))
-                result["int8_logit_error"] = logit_error(path, llm.model, ids.tolist())
+                result[f"{args.weight_dtype}_logit_error"] = logit_error(path, llm.model, ids.tolist())
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -287,7 +288,8 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
     scaling = ends[0] / ends[1] if all(ends) else None
-    wdtype = "int8" if args.weight_dtype == "int8" else str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
+    wdtype = args.weight_dtype if args.weight_dtype in QUANTIZED_WEIGHT_DTYPES \
+        else str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
     from kvstate.kernels import hugepages
 
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,

@@ -36,9 +36,10 @@ def show(console, result: dict) -> None:
                       f"{gbps:.1f}" if gbps else "-",
                       f"{100 * gbps / m['read_bandwidth_gbps']:.0f}%" if gbps else "-")
     console.print(table)
-    q = result.get("int8_logit_error")
+    q = result.get(f"{result['weight_dtype']}_logit_error")  # quantized weights (int8, q8_0, q4_k, ...)
     if q:
-        console.print(f"int8 weights vs the same checkpoint in fp32, one {q['positions']}-token prompt: logits "
+        console.print(f"{result['weight_dtype']} weights vs the same checkpoint in fp32, one {q['positions']}-token "
+                      "prompt: logits "
                       f"{100 * q['rel']:.2f}% relative error (worst position {100 * q['max_rel']:.2f}%), "
                       f"top-1 token the same at {100 * q['top1']:.1f}% of positions")
     for k, v in result["speedup_vs_transformers"].items():

@@ -36,15 +36,19 @@ def canonical_dtype(name: object) -> str | None:
 
 
 # canonical names of the weight dtypes the engine loads (`--weight-dtype`, load_model), and how to say so
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
-WEIGHT_DTYPES_EXPECTED = "expected bf16, fp32 or int8 (or bfloat16, float32)"
+# int8: per-row scales (kernels.quant); q8_0, q4_0, q4_k: GGML's blocks (kernels.blocks), as in a GGUF file
+QUANTIZED_WEIGHT_DTYPES = ("int8", "q8_0", "q4_0", "q4_k")
+WEIGHT_DTYPES = ("float32", "bfloat16") + QUANTIZED_WEIGHT_DTYPES
+WEIGHT_DTYPES_EXPECTED = "expected bf16, fp32, int8, q8_0, q4_0 or q4_k (or bfloat16, float32)"
 
 
 def canonical_weight_dtype(name: object) -> str | None:
-    """A weight dtype: "int8" (weight-only quantization with per-row scales, kernels.quant), or a
-    float dtype's canonical name from any spelling `canonical_dtype` takes; None if unknown."""
-    if isinstance(name, str) and name.strip().lower() in ("int8", "torch.int8"):
-        return "int8"
+    """A weight dtype: a quantized one ("int8", "q8_0", "q4_0", "q4_k", any case), or a float
+    dtype's canonical name from any spelling `canonical_dtype` takes; None if unknown."""
+    if isinstance(name, str):
+        key = name.strip().lower().removeprefix("torch.")
+        if key in QUANTIZED_WEIGHT_DTYPES:
+            return key
     return canonical_dtype(name)
 
 

@@ -52,8 +52,10 @@ def _scale(m: nn.Linear) -> torch.Tensor | None:
 
 def fuse(*linears: nn.Linear) -> FusedGroup | None:
     """Fuse linears of one input (same K, weight dtype and device; biases and scales all or none);
-    None if they differ."""
+    None if they differ, or hold GGML blocks (`kernels.blocks`: their forward knows the block type)."""
     first = linears[0]
+    if first.weight.dtype == torch.uint8:
+        return None
     if any(m.weight.shape[1] != first.weight.shape[1] or m.weight.dtype != first.weight.dtype
            or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
            or (_scale(m) is None) != (_scale(first) is None) for m in linears):

@@ -4,7 +4,7 @@ A drop-in for the model layers (phase 2 of issue 9): same parameter names and st
 as nn.Linear, so checkpoints load unchanged; a bf16 checkpoint's weights are kept as they are
 (half the bytes to stream per decode step) and widened exactly inside `kvstate.kernels.linear`.
 `kernels.quant` may store the weight as int8 with a per-row `weight_scale` (a buffer, None
-otherwise).
+otherwise), or as GGML quantized blocks (`kernels.blocks`: `weight_format` names the block type).
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvstate.kernels.blocks import block_linear
 from kvstate.kernels.dispatch import linear
 
 
 class Linear(nn.Linear):
     """nn.Linear with `weight_dtype` (float32 or bfloat16) for the weight; bias and math in `dtype`."""
+
+    weight_format: str | None = None  # a GGML block type ("Q4_K", ...) when the weight holds blocks
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  weight_dtype: torch.dtype | None = None):
@@ -26,6 +29,8 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.detach().to(weight_dtype), requires_grad=self.weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_format is not None:
+            return block_linear(x, self.weight, self.bias, self.weight_format)
         return linear(x, self.weight, self.bias, self.weight_scale)
 
     @classmethod
@@ -44,4 +49,4 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         scaled = ", per-row scales" if self.weight_scale is not None else ""
-        return f"{super().extra_repr()}, weight_dtype={self.weight.dtype}{scaled}"
+        return f"{super().extra_repr()}, weight_dtype={self.weight_format or self.weight.dtype}{scaled}"

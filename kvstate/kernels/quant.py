@@ -6,11 +6,13 @@ fp32 exactly, sum q[n, k] * x[k] in fp32 and multiply the sum by scale[n]; x is 
 A quarter of fp32's bytes (half of bf16's) to stream per decode step, for a small logit error
 that `kvstate bench engine --weight-dtype int8` measures against the fp32 model.
 
-`quantize_linears(model)` does this to every `kernels.Linear` of a model, except
+`quantize_linears(model)` does this to every `kernels.Linear` of a model (or stores GGML blocks,
+`kernels.blocks`, with "q8_0", "q4_0", "q4_k"), except
 - a weight shared with another module (a head tied to the embedding: the lookup needs the values),
 - the projections a layer reads as a tensor rather than calls (listed in the layer class's
   `weight_read`: Mamba-1's dt_proj, MLA's kv_b_proj).
-Other matrices (embeddings, MoE experts) keep the dtype they have.
+Other matrices (embeddings, MoE experts), and for blocks rows whose length is not a multiple of
+the block (32 weights, 256 for q4_k), keep the dtype they have.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvstate.kernels.blocks import set_block_weight
+from kvstate.kernels.ggml_blocks import TYPES
+from kvstate.kernels.ggml_quantize import quantize
 from kvstate.kernels.linear_module import Linear
 
 QMAX = 127
@@ -57,14 +62,21 @@ def _read_as_tensor(model: nn.Module) -> set[int]:
     return out
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Store every eligible kernels.Linear weight as int8 + per-row scale; -> how many."""
+def quantize_linears(model: nn.Module, weight_dtype: str = "int8") -> int:
+    """Store every eligible kernels.Linear weight as int8 + per-row scale ("int8"), or as GGML blocks
+    ("q8_0", "q4_0", "q4_k"); -> how many."""
+    qtype = None if weight_dtype == "int8" else weight_dtype.upper()
     shared, skip = _shared(model), _read_as_tensor(model)
     count = 0
     for module in model.modules():
         if type(module) is not Linear or id(module) in skip or id(module.weight) in shared:
             continue
-        if module.weight.dtype == torch.int8 or module.weight.dim() != 2:
+        if module.weight.dtype in (torch.int8, torch.uint8) or module.weight.dim() != 2:
+            continue
+        if qtype is not None:
+            if module.in_features % TYPES[qtype].block == 0:
+                set_block_weight(module, quantize(module.weight, qtype), qtype)
+                count += 1
             continue
         q, scale = quantize_rows(module.weight)
         module.weight = nn.Parameter(q, requires_grad=False)

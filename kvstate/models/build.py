@@ -148,8 +148,9 @@ def set_weight_dtype(model: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
     the kernels widen bf16 exactly, math stays fp32). Tied tensors stay one tensor."""
     if weight_dtype not in (torch.float32, torch.bfloat16):
         raise KvstateError(f"weight dtype {weight_dtype} is not supported (use float32 or bfloat16)")
-    if any(p.dtype == torch.int8 for _, _, p in _matrices(model)):  # a cast would drop the scales
-        raise KvstateError("the model's projections are int8: load the checkpoint again in the dtype you want")
+    if any(p.dtype in (torch.int8, torch.uint8) for _, _, p in _matrices(model)):  # a cast would drop the scales
+        raise KvstateError("the model's projections are int8 or GGML blocks: load the checkpoint again in the "
+                           "dtype you want")
     converted: dict[int, nn.Parameter] = {}
     for module, name, param in list(_matrices(model)):
         if param.dtype == weight_dtype:

@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from kvstate.families import read_plan
-from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonical_weight_dtype
+from kvstate.config.dtypes import (QUANTIZED_WEIGHT_DTYPES, WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED,
+                                   canonical_weight_dtype)
 from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.families import adapter
@@ -62,13 +63,16 @@ def family_of(plan):
 
 def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     """A weight dtype from any spelling `kvstate memory` takes ("bf16", "float32", torch.bfloat16),
-    or "int8"; None for None (the checkpoint's); anything else is one KvstateError."""
+    or "int8", or torch.uint8 for GGML blocks ("q8_0", "q4_0", "q4_k"); None for None (the
+    checkpoint's); anything else is one KvstateError."""
     if name is None or isinstance(name, torch.dtype):
         canonical = None if name is None else str(name).removeprefix("torch.")
     else:
         canonical = canonical_weight_dtype(name)
     if name is not None and canonical not in WEIGHT_DTYPES:
         raise KvstateError(f"weight dtype {name!r}: {WEIGHT_DTYPES_EXPECTED}")
+    if canonical in QUANTIZED_WEIGHT_DTYPES and canonical != "int8":
+        return torch.uint8
     return None if canonical is None else getattr(torch, canonical)
 
 
@@ -122,12 +126,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     `weight_dtype` ("bf16", "fp32", a torch dtype; None: the checkpoint's) stores the big matrices
     (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`.
     "int8" loads the checkpoint's dtype, then stores the projections as int8 with per-row scales
-    (`kernels.quant`; embeddings and experts stay as loaded)."""
+    (`kernels.quant`; embeddings and experts stay as loaded); "q8_0", "q4_0", "q4_k" as GGML's
+    blocks (`kernels.blocks`) the same way."""
     path, plan, family, opts, files = open_checkpoint(path)
     wanted = weight_dtype_of(weight_dtype)
-    quantize = wanted == torch.int8
+    quantize = wanted in (torch.int8, torch.uint8)
     if quantize and dtype != torch.float32:
-        raise KvstateError("int8 weights take float32 activations (the kernels' math)")
+        raise KvstateError(f"{canonical_weight_dtype(weight_dtype)} weights take float32 activations "
+                           "(the kernels' math)")
     model = build_model(plan, opts, device="meta", mtp=bool(plan.mtp) and has_mtp_weights(files))
     model.to(dtype)  # on meta: nothing is allocated yet
     if dtype == torch.float32:
@@ -159,7 +165,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
         raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
     if quantize:
-        quantize_linears(model)
+        quantize_linears(model, canonical_weight_dtype(weight_dtype))
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
     place_weights(model)  # the streamed matrices on huge pages (faster decode), where the OS has them
     model.eval()

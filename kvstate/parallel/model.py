@@ -159,9 +159,10 @@ def parallelize(model: nn.Module, plan, group: TPGroup) -> nn.Module:
 
 
 def check_weight_dtype(weight_dtype) -> None:
-    """int8 weights are one process's: refused before any rank starts."""
-    if weight_dtype_of(weight_dtype) == torch.int8:
-        raise KvstateError("int8 weights run in one process: tensor parallelism shards bf16 or fp32 weights")
+    """Quantized weights (int8, GGML blocks) are one process's: refused before any rank starts."""
+    if weight_dtype_of(weight_dtype) in (torch.int8, torch.uint8):
+        name = str(weight_dtype).removeprefix("torch.").lower()
+        raise KvstateError(f"{name} weights run in one process: tensor parallelism shards bf16 or fp32 weights")
 
 
 def load_shard(path, group: TPGroup, *, weight_dtype=None):

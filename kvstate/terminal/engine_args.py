@@ -11,7 +11,8 @@ from kvstate.errors import KvstateError
 
 
 def weight_dtype_arg(text: str) -> str:
-    """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, or int8, as its canonical name."""
+    """--weight-dtype: bf16 or fp32 in any spelling `kvstate memory` takes, or a quantized one (int8,
+    q8_0, q4_0, q4_k), as its canonical name."""
     from kvstate.config.dtypes import WEIGHT_DTYPES, WEIGHT_DTYPES_EXPECTED, canonical_weight_dtype
 
     name = canonical_weight_dtype(text)
@@ -23,7 +24,8 @@ def weight_dtype_arg(text: str) -> str:
 def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-dtype", type=weight_dtype_arg, default=None, metavar="DTYPE",
                         help="keep the weight matrices in bf16 or fp32, or the projections in int8 with per-row "
-                             "scales; math stays fp32 (default: the checkpoint's)")
+                             "scales, or in GGML's q8_0, q4_0 or q4_k blocks; math stays fp32 (default: the "
+                             "checkpoint's)")
 
 
 def add_tp_arg(parser: argparse.ArgumentParser) -> None:

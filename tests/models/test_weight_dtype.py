@@ -116,7 +116,7 @@ def test_weight_dtype_on_the_command_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:  # argparse's one line, exit code 2
         main(["generate", "hi", "--model", str(tmp_path), "--weight-dtype", "int4"])
     assert exit_.value.code == 2
-    assert "--weight-dtype: expected bf16, fp32 or int8" in capsys.readouterr().err
+    assert "--weight-dtype: expected bf16, fp32, int8, q8_0" in capsys.readouterr().err
 
 
 def test_same_input_projections_run_as_one_call(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@
 
 #include "decode_ops.h"
 #include "gemv.h"
+#include "quant_blocks.h"
 
 namespace {
 
@@ -181,4 +182,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, "calls per kernel path since load: 'linear amx|avx512|avx2', 'gdn head avx512|avx2'");
   kvstate::register_decode_ops(m);  // the decode step's small ops (decode_ops.cpp)
+  kvstate::register_quant_ops(m);   // GGML quantized blocks (quant_gemv.cpp)
 }

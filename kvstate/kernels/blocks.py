@@ -1,0 +1,84 @@
+"""Weights kept as GGML quantized blocks (a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), math in fp32.
+
+`set_block_weight(linear, raw, qtype)` makes a `kernels.Linear` hold the rows of blocks exactly as a
+GGUF file stores them (uint8 [N, bytes per row], ggml-common.h's layout) in place of its weight;
+its forward then multiplies by exactly the weights they mean (`ggml_blocks.dequantize`, equal to
+`gguf.quants.dequantize`): "exact by default", fp32 activations, no rounding of x. The state dict
+holds the blocks under `weight` and the GGML type number under `weight_type`.
+
+`block_linear` runs the compiled kernel (csrc/quant_*: AVX-512 or AVX2, each block dequantized
+exactly in registers, FMAs with fp32 x) for up to `MAX_ROWS` rows, and otherwise (prefill, no
+extension, `kernels.backend("torch")`) the torch path: it dequantizes a tile of rows at a time (a
+few hundred KiB of fp32, so the full fp32 matrix never exists) and multiplies each tile with one
+fp32 GEMM. Both multiply by the same weights; only the summation order differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstate.kernels import _ext
+from kvstate.kernels.dispatch import MAX_ROWS_BF16, choice
+from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
+
+SUPPORTED: frozenset[str] = frozenset(TYPES)
+TILE_WEIGHTS = 1 << 16  # fp32 weights dequantized per tile (256 KiB)
+MAX_ROWS = MAX_ROWS_BF16  # the kernel reads each block once for all rows, like the bf16 path
+
+
+def set_block_weight(linear: nn.Module, raw: torch.Tensor, qtype: str) -> None:
+    """Store `raw` (uint8 [out N, bytes per row] of `qtype` blocks, each row as the file holds it) as
+    `linear`'s weight; ValueError when the type or the shape does not fit the Linear [N, K]."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"{qtype} blocks are not supported (supported: {', '.join(sorted(SUPPORTED))})")
+    n, k = linear.out_features, linear.in_features
+    if k % TYPES[qtype].block:
+        raise ValueError(f"{qtype} rows hold a multiple of {TYPES[qtype].block} weights; this Linear's rows "
+                         f"have {k}")
+    want = (n, row_bytes(qtype, k))
+    if raw.dtype != torch.uint8 or tuple(raw.shape) != want:
+        raise ValueError(f"{qtype} weight of a [{n}, {k}] Linear: expected uint8 {list(want)}, got "
+                         f"{str(raw.dtype).removeprefix('torch.')} {list(raw.shape)}")
+    linear.weight = nn.Parameter(raw.detach().contiguous(), requires_grad=False)
+    linear.weight_scale = None
+    linear.weight_format = qtype
+    linear.register_buffer("weight_type", torch.tensor(TYPES[qtype].type_id, dtype=torch.int32))
+
+
+def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, qtype: str) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ W^T + bias, W the weights `raw` [N, bytes per row] means, fp32 math."""
+    n = raw.shape[0]
+    k = raw.shape[1] // TYPES[qtype].nbytes * TYPES[qtype].block
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    isa = _isa(x2)
+    if isa is not None:
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        y = _ext.load().quant_linear(x2, raw, bias, TYPES[qtype].type_id, isa)
+        return y.reshape(*x.shape[:-1], n).to(x.dtype)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    rows = max(1, TILE_WEIGHTS // k)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        b = None if bias is None else bias[start:stop].float()
+        y[:, start:stop] = F.linear(x2, dequantize(raw[start:stop], qtype), b)
+    return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def _isa(x2: torch.Tensor) -> str | None:
+    """The ISA the compiled kernel runs for x [M, K] (the backend's, within the KVSTATE_KERNELS cap;
+    AMX's calls go to AVX-512), or None for the torch path."""
+    chosen = choice()
+    if chosen == "torch" or x2.shape[0] > MAX_ROWS or not x2.is_cpu or x2.dtype != torch.float32:
+        return None
+    if torch.is_grad_enabled() and x2.requires_grad:
+        return None
+    ext = _ext.load()
+    if ext is None or not hasattr(ext, "quant_linear"):
+        return None
+    if chosen in ("avx512", "avx2"):
+        return chosen  # (the kernel says so when this CPU lacks it)
+    have = [i for i in ext.isas() if i != "amx" and (ext.isa_cap() != "avx2" or i == "avx2")]
+    return have[0] if have else None

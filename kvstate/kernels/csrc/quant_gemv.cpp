@@ -1,0 +1,90 @@
+// Python binding of the block GEMM (quant_blocks.h): checks, the ISA, and the split of the W rows over
+// torch's intra-op threads; `register_quant_ops` adds it to the extension module of gemv.cpp.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+
+#include "quant_blocks.h"
+
+namespace kvstate::quant {
+
+int block_weights(int type) {
+  switch (type) {
+    case kQ4_0: case kQ8_0: return 32;
+    case kQ4_K: case kQ5_K: case kQ6_K: return 256;
+    default: return 0;
+  }
+}
+
+int block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+namespace {
+
+std::atomic<int64_t> calls[2];  // avx512, avx2
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t type,
+                     const std::string& isa) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate quant: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
+  const int bw = block_weights(int(type));
+  TORCH_CHECK(bw > 0, "kvstate quant: GGML type ", type, " is not served (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "kvstate quant: weight must be contiguous uint8 blocks [N, bytes per row]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % bw == 0 && w.size(1) == K / bw * block_bytes(int(type)), "kvstate quant: x has ", K,
+              " columns; the weight rows hold ", w.size(1), " bytes");
+  const float* bptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "kvstate quant: bias must be contiguous float32 [N]");
+    bptr = bias->data_ptr<float>();
+  }
+  __builtin_cpu_init();
+  const bool wide = isa == "avx512";
+  TORCH_CHECK(wide || isa == "avx2", "kvstate quant: ISA avx512 or avx2, got ", isa);
+  TORCH_CHECK(wide ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "kvstate quant: ISA '", isa, "' not available on this CPU");
+  x = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  pybind11::gil_scoped_release no_gil;
+  const Args args{x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), int(type), bptr, y.data_ptr<float>(),
+                  N};
+  // a thread gets at least ~64 KiB of blocks: tiny matrices do not pay for waking threads
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, w.size(1)));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (wide)
+      avx512::rows(args, n0, n1);
+    else
+      avx2::rows(args, n0, n1);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace kvstate::quant
+
+namespace kvstate {
+void register_quant_ops(pybind11::module_& m) {
+  m.def("quant_linear", &quant::linear,
+        "y[M, N] = x[M, K] @ W^T (+ bias), W the GGML blocks [N, bytes per row] of type `type`, each dequantized "
+        "exactly, fp32 math", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("type"), pybind11::arg("isa"));
+  m.def("quant_calls", [] { return std::vector<int64_t>{quant::calls[0].load(), quant::calls[1].load()}; },
+        "calls of quant_linear since load: [avx512, avx2]");
+}
+}  // namespace kvstate
