@@ -5,8 +5,9 @@ rounds each linear's input to bf16 and uses vdpbf16ps, as llama.cpp's bf16 path 
 comparison with it, at a relative error of about 2^-9 of sum |w x| per output (`kvstate bench engine
 --activation-dtype bf16` reports it against the exact mode). "bf16x3" splits x into three bf16
 parts (24 significant bits) for the same instruction: near-exact, not bit-equal to the default.
-The setting is process-wide (the compiled decode blocks' linears follow it too); int8 and fp32
-weights, AMX and AVX2 paths keep fp32 math.
+The setting is process-wide (the compiled decode blocks' linears follow it too; with "bf16" the
+larger row counts of prefill run torch's bf16 GEMM); int8 and fp32 weights, AMX and AVX2 paths
+keep fp32 math.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from kvstate.errors import KvstateError
 
 # name -> bf16 parts of x for the kernel (0: the fp32 path)
 PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3}
+# True while "bf16" is set: the rows past the kernel's (prefill) then run torch's bf16 GEMM too
+# (dispatch.py), which also rounds each output to bf16 before it is widened back.
+bf16_gemm = False
 
 
 def available() -> bool:
@@ -37,6 +41,8 @@ def set_activation_dtype(name: str) -> None:
         raise KvstateError(f"activation dtype {name}: needs the compiled kernels on a CPU with AVX512_BF16 ({why})")
     if ext is not None:
         ext.set_activation_parts(PARTS[name])
+    global bf16_gemm
+    bf16_gemm = name == "bf16"
 
 
 def activation_dtype() -> str:

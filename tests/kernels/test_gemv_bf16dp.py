@@ -104,3 +104,22 @@ def test_the_python_setting_reaches_the_kernel(ext):
 def test_unknown_dtype_is_a_clear_error():
     with pytest.raises(KvstateError, match="expected one of fp32, bf16, bf16x3"):
         activation.set_activation_dtype("fp16")
+
+
+def test_bf16_prefill_rows_run_a_bf16_gemm(ext):
+    """Past the kernel's rows the opt-in runs torch's bf16 GEMM: x and the output rounded to bf16, so
+    within two bf16 half-ulps of the exact sum, and not the exact result itself."""
+    from kvstate.kernels import MAX_ROWS_BF16, linear
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 300, generator=g).bfloat16()
+    x, b = torch.randn(MAX_ROWS_BF16 + 36, 300, generator=g), torch.randn(48, generator=g)
+    activation.set_activation_dtype("bf16")
+    try:
+        y = linear(x, w, b)
+    finally:
+        activation.set_activation_dtype("fp32")
+    with pytest.raises(AssertionError):
+        assert_close_to_truth(y, x, w, b)
+    assert_close_to_truth(y, x, w, b, rel=2 * 2.0**-8)
+    assert_close_to_truth(linear(x, w, b), x, w, b)  # off again: exact
