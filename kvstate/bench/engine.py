@@ -62,7 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_weight_dtype(parser)
     parser.add_argument("--activation-dtype", choices=("fp32", "bf16", "bf16x3"), default="fp32",
                         help="bf16 weights on AVX512_BF16 CPUs: fp32 math (default, exact), bf16 (x rounded, "
-                             "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); kvstate.kernels.activation")
+                             "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); "
+                             "kvstate.kernels.activation")
 
 
 def _check_args(args, batches: list[int]) -> None:
