@@ -63,6 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "with --llama-bench, N batch-1 runs of kvstate and llama.cpp, and N rounds of "
                              "--depth on each side) and print the median ratios (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
+    parser.add_argument("--activation-dtype", choices=("fp32", "bf16", "bf16x3"), default="fp32",
+                        help="bf16 weights on AVX512_BF16 CPUs: fp32 math (default, exact), bf16 (x rounded, "
+                             "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); "
+                             "kvstate.kernels.activation")
 
 
 def _check_args(args, batches: list[int]) -> None:
@@ -149,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
 
     batches = number_list("--batches", args.batches, low=1)
     _check_args(args, batches)
+    from kvstate.kernels.activation import set_activation_dtype
+
+    set_activation_dtype(args.activation_dtype)  # a clear error where the CPU or the kernels lack it
     profile_batches = number_list("--profile", args.profile, low=1) if args.profile else []
     prefill_len = args.prefill_len or (128 if args.quick else 512)
     depths = sorted(set(number_list("--depth", args.depth, low=1))) if args.depth else []
@@ -179,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
             with console.status(f"{args.weight_dtype} logits against the fp32 model"):
                 ids = torch.randint(0, llm.plan.vocab_size, (plen,), generator=torch.Generator().manual_seed(1))
                 result[f"{args.weight_dtype}_logit_error"] = logit_error(path, llm.model, ids.tolist())
+        result["activation_dtype"] = args.activation_dtype
+        if args.activation_dtype != "fp32":  # what rounding the activations costs, against the exact mode
+            from kvstate.bench.quant_error import activation_error
+
+            with console.status(f"{args.activation_dtype} activations' logits against fp32 math"):
+                ids = torch.randint(0, llm.plan.vocab_size, (32,), generator=torch.Generator().manual_seed(1))
+                result["activation_logit_error"] = activation_error(llm.model, ids.tolist(), args.activation_dtype)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -12,7 +12,8 @@ def show(console, result: dict) -> None:
     m = result["machine"]
     pools = result.get("cache_dtypes") or {}
     console.print(f"{result['model']}; prompts {result['prompt_tokens']} tokens, {result['new_tokens']} new; "
-                  f"weights {result['weight_dtype']}, activations fp32, KV pools {pools.get('kv', '?')} (states "
+                  f"weights {result['weight_dtype']}, activations {result.get('activation_dtype', 'fp32')}, "
+                  f"KV pools {pools.get('kv', '?')} (states "
                   f"{pools.get('state', '?')}), {m['threads']} threads; machine: read "
                   f"{m['read_bandwidth_gbps']:.1f} GB/s (sum of 1 GiB), copy {m['bandwidth_gbps']:.1f} GB/s, "
                   f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s; "
@@ -42,6 +43,12 @@ def show(console, result: dict) -> None:
                       "prompt: logits "
                       f"{100 * q['rel']:.2f}% relative error (worst position {100 * q['max_rel']:.2f}%), "
                       f"top-1 token the same at {100 * q['top1']:.1f}% of positions")
+    a = result.get("activation_logit_error")
+    if a:
+        console.print(f"{result['activation_dtype']} activations vs fp32 math, same weights, one "
+                      f"{a['positions']}-token prompt: logits {100 * a['rel']:.3f}% relative error (worst position "
+                      f"{100 * a['max_rel']:.3f}%), "
+                      f"top-1 token the same at {100 * a['top1']:.1f}% of positions")
     for k, v in result["speedup_vs_transformers"].items():
         console.print(f"kvstate / transformers, {k}: {v:.2f}x")
     batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})

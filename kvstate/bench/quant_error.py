@@ -23,6 +23,24 @@ def logit_error(path, model, ids: list[int]) -> dict:
         truth = forward_logits(ref, [ids])[0].double()
     del ref
     gc.collect()  # fused projections and their groups refer to each other: free the fp32 copy now
+    return _compare(ours, truth, len(ids))
+
+
+def activation_error(model, ids: list[int], name: str) -> dict:
+    """The same comparison for `kernels.activation.set_activation_dtype(name)` against the exact mode
+    (fp32 math) on the same weights; `ids` at most MAX_ROWS_BF16 long, so every linear runs the kernel."""
+    from kvstate.kernels.activation import set_activation_dtype
+    from kvstate.models.generate import forward_logits
+
+    with torch.no_grad():
+        set_activation_dtype("fp32")
+        truth = forward_logits(model, [ids])[0].double()
+        set_activation_dtype(name)
+        ours = forward_logits(model, [ids])[0].double()
+    return _compare(ours, truth, len(ids))
+
+
+def _compare(ours: torch.Tensor, truth: torch.Tensor, positions: int) -> dict:
     per_pos = (ours - truth).norm(dim=-1) / truth.norm(dim=-1).clamp_min(1e-30)
     return dict(rel=float((ours - truth).norm() / truth.norm()), max_rel=float(per_pos.max()),
-                top1=float((ours.argmax(-1) == truth.argmax(-1)).double().mean()), positions=len(ids))
+                top1=float((ours.argmax(-1) == truth.argmax(-1)).double().mean()), positions=positions)

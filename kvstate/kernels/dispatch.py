@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kvstate.kernels import _ext
+from kvstate.kernels import _ext, activation
 from kvstate.kernels.threads import _wide
 from kvstate.profiling import timed
 
@@ -135,6 +135,9 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 scale = scale.float().contiguous()
             y = ext.linear(x2, weight, bias, chosen, scale=scale)
             return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
+        if activation.bf16_gemm and weight.dtype == torch.bfloat16:  # the opt-in's prefill (activation.py)
+            y = F.linear(x.to(torch.bfloat16), weight).float()
+            return y if bias is None else y + bias
     return torch_linear(x, weight, bias, scale)
 
 

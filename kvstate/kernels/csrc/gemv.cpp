@@ -30,6 +30,11 @@ bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+bool has_avx512bf16() {
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
 // The ISAs this CPU can run, best first.
 bool has_amx() {
   __builtin_cpu_init();
@@ -68,8 +73,34 @@ void set_isa_cap(const std::string& cap) {
   kvstate::dec::set_gdn_head_isa(kvstate::dec::gdn_head_isa_within(isa_cap >= 2 ? "avx2" : "avx512"));
 }
 
+// bf16 parts of x for bf16 weights on the AVX-512 path (set_activation_parts): 0 keeps the fp32 math
+// (weights widened exactly); 1 rounds x to bf16 (llama.cpp's bf16), 2-3 split it, for vdpbf16ps.
+std::atomic<int> activation_parts{0};
+
+void set_activation_parts(int parts) {
+  TORCH_CHECK(parts >= 0 && parts <= 3, "kvstate kernels: activation parts 0 (fp32) to 3, got ", parts);
+  TORCH_CHECK(parts == 0 || has_avx512bf16(), "kvstate kernels: this CPU has no AVX512_BF16");
+  activation_parts = parts;
+}
+
+// y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads.
+void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y, int parts) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + 31) / 32 * 32;
+  auto xb = at::empty({M * Kp * parts}, x.options().dtype(at::kBFloat16));
+  auto* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
+  kvstate::avx512bf16::prepare_x(x.data_ptr<float>(), M, K, Kp, parts, xbp);
+  const kvstate::GemvBf16Args args{xbp, M, K, Kp, parts, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias,
+                                   y.data_ptr<float>(), N};
+  const int64_t rows_per_item = 12, items = (N + rows_per_item - 1) / rows_per_item;
+  const int64_t grain = std::max<int64_t>(1, ((64 << 10) + rows_per_item * K * 2 - 1) / (rows_per_item * K * 2));
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    last_tile.store(kvstate::avx512bf16::rows(args, i0 * rows_per_item, std::min(N, i1 * rows_per_item)),
+                    std::memory_order_relaxed);
+  });
+}
+
 // Calls per path since load (linear: the ISA its rows ran in), for the test run's summary.
-std::atomic<int64_t> linear_calls[3];
+std::atomic<int64_t> linear_calls[4];  // amx, avx512, avx2, avx512 bf16 dot products
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, const std::string& isa,
                      bool narrow, c10::optional<torch::Tensor> scale) {
@@ -106,13 +137,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   // rest (for 1-2 rows it computes less, and either way the weights stream at memory speed).
   const bool use_amx = use == "amx" && (bf16 || i8) && M >= 3;
   const bool wide = use != "avx2";
-  linear_calls[use_amx ? 0 : wide ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
+  const int parts = activation_parts.load(std::memory_order_relaxed);
+  const bool use_dp = bf16 && parts > 0 && use == "avx512" && !narrow;
+  linear_calls[use_dp ? 3 : use_amx ? 0 : wide ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   pybind11::gil_scoped_release no_gil;
+  if (use_dp) {
+    linear_bf16dp(x, w, bptr, y, parts);
+    return y;
+  }
   int64_t n_amx = 0;
   if (use_amx) {
     n_amx = N / 32 * 32;
@@ -173,11 +210,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &isas, "ISAs this CPU can run, best first");
   m.def("set_isa_cap", &set_isa_cap, "the best ISA every kernel may use: auto (no cap), amx, avx512 or avx2",
         pybind11::arg("cap"));
+  m.def("has_avx512_bf16", &has_avx512bf16, "the CPU has AVX-512 BF16 (vdpbf16ps)");
+  m.def("set_activation_parts", &set_activation_parts,
+        "bf16 weights on AVX-512: 0 fp32 math (default), 1 x rounded to bf16, 2-3 x split into bf16 parts",
+        pybind11::arg("parts"));
+  m.def("activation_parts", [] { return activation_parts.load(); }, "what set_activation_parts set");
   m.def("isa_cap", [] { return std::string(isa_cap == 0 ? "auto" : kIsaNames[isa_cap.load()]); },
         "the cap set_isa_cap applied");
   m.def("paths_run", [] {
     std::map<std::string, int64_t> out;
     for (int i = 0; i < 3; ++i) out[std::string("linear ") + kIsaNames[i]] = linear_calls[i].load();
+    out["linear avx512_bf16"] = linear_calls[3].load();
     for (const auto& [isa, n] : kvstate::dec::gdn_head_calls()) out["gdn head " + isa] = n;
     return out;
   }, "calls per kernel path since load: 'linear amx|avx512|avx2', 'gdn head avx512|avx2'");

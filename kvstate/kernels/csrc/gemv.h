@@ -39,6 +39,21 @@ void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, bool bf16, floa
 const char* rows(const GemvArgs& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 
+// AVX512_BF16 (bf16 weights, x in bf16 parts: see gemv_avx512bf16.cpp).
+struct GemvBf16Args {
+  const uint16_t* x;  // [M, Kp / 32, parts, 32] bf16 parts of x, zero-padded to Kp (a multiple of 32)
+  int64_t M, K, Kp;
+  int parts;          // 1 (x rounded to bf16), 2 or 3 (x split)
+  const uint16_t* w;  // [N, K] bf16
+  const float* bias;  // [N] or nullptr
+  float* y;           // [M, N]
+  int64_t N;
+};
+namespace avx512bf16 {
+void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, int parts, uint16_t* xb);
+const char* rows(const GemvBf16Args& a, int64_t n0, int64_t n1);
+}  // namespace avx512bf16
+
 // AMX (bf16 or int8 weights): 32 W rows per block, x rows in chunks of kAmxChunk; x as three bf16
 // parts (see gemv_amx.cpp).
 constexpr int64_t kAmxChunk = 32;

@@ -1,0 +1,125 @@
+"""The AVX512_BF16 path of bf16 weights (vdpbf16ps, kernels.activation): x rounded to bf16 against
+fp64 truth of the rounded x, x split in three bf16 parts against exact truth, on awkward shapes.
+Skips where the CPU has no AVX512_BF16 (AVX2-only machines, older AVX-512 ones)."""
+
+import pytest
+import torch
+
+from kvstate.errors import KvstateError
+from kvstate.kernels import activation
+from tests.kernels.conftest import assert_close_to_truth, extension
+
+# N, K: below one 32-element step, ragged tails, one step exactly, several blocks of 3 and 4 W rows.
+SHAPES = [(1, 1), (5, 7), (37, 100), (13, 32), (33, 1000), (3, 2049), (130, 33)]
+ROWS = list(range(1, 18)) + [40, 64]  # every tile width, passes of 8 and their ragged last pass
+
+
+@pytest.fixture
+def ext():
+    module = extension()
+    if not module.has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512_BF16")
+    yield module
+    module.set_activation_parts(0)
+
+
+def _linear(ext, x, w, b, parts, isa="auto"):
+    ext.set_activation_parts(parts)
+    try:
+        return ext.linear(x, w, b, isa)
+    finally:
+        ext.set_activation_parts(0)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_bf16_activations_are_the_rounded_x_exactly_summed(ext, n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g)
+        bias = b if m % 2 else None
+        y = _linear(ext, x, w, bias, 1)
+        assert ext.last_tile().startswith("bf16dp")
+        # x rounded to bf16 (nearest even, as torch does), then an fp32 sum: within fp32's error of
+        # the fp64 product of the rounded x
+        assert_close_to_truth(y, x.bfloat16().float(), w, bias)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_three_parts_are_exact_math(ext, n, k):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g) * 3.7
+        assert_close_to_truth(_linear(ext, x, w, None, 3), x, w, None)
+
+
+def test_rounding_is_real_and_bounded(ext):
+    """The bf16 mode is not exact (the test above could not tell x from its rounding otherwise), and
+    its error stays within bf16's half ulp (2^-9) of sum |w x|."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 512, generator=g).bfloat16()
+    x = torch.randn(4, 512, generator=g)
+    y = _linear(ext, x, w, None, 1)
+    with pytest.raises(AssertionError):
+        assert_close_to_truth(y, x, w, None)
+    assert_close_to_truth(y, x, w, None, rel=2.0**-9 + 1e-6)
+
+
+def test_other_weights_and_paths_keep_fp32_math(ext):
+    """fp32 and int8 weights, the AVX2 path and `narrow` ignore the setting: bit-equal to it off."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 70, generator=g)
+    wf = torch.randn(9, 70, generator=g)
+    wb = wf.bfloat16()
+    q = torch.randint(-127, 128, (9, 70), generator=g, dtype=torch.int8)
+    s = torch.rand(9, generator=g)
+    assert torch.equal(_linear(ext, x, wf, None, 1), ext.linear(x, wf, None))
+    ext.set_activation_parts(1)
+    try:
+        on = [ext.linear(x, q, None, scale=s), ext.linear(x, wb, None, "avx2"), ext.linear(x, wb, None, narrow=True)]
+    finally:
+        ext.set_activation_parts(0)
+    off = [ext.linear(x, q, None, scale=s), ext.linear(x, wb, None, "avx2"), ext.linear(x, wb, None, narrow=True)]
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+
+
+def test_the_python_setting_reaches_the_kernel(ext):
+    before = dict(ext.paths_run())
+    activation.set_activation_dtype("bf16")
+    try:
+        assert activation.activation_dtype() == "bf16"
+        from kvstate.kernels import linear
+
+        x, w = torch.randn(2, 40), torch.randn(8, 40).bfloat16()
+        y = linear(x, w)
+    finally:
+        activation.set_activation_dtype("fp32")
+    assert activation.activation_dtype() == "fp32"
+    assert dict(ext.paths_run())["linear avx512_bf16"] == before.get("linear avx512_bf16", 0) + 1
+    assert_close_to_truth(y, x.bfloat16().float(), w, None)
+
+
+def test_unknown_dtype_is_a_clear_error():
+    with pytest.raises(KvstateError, match="expected one of fp32, bf16, bf16x3"):
+        activation.set_activation_dtype("fp16")
+
+
+def test_bf16_prefill_rows_run_a_bf16_gemm(ext):
+    """Past the kernel's rows the opt-in runs torch's bf16 GEMM: x and the output rounded to bf16, so
+    within two bf16 half-ulps of the exact sum, and not the exact result itself."""
+    from kvstate.kernels import MAX_ROWS_BF16, linear
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 300, generator=g).bfloat16()
+    x, b = torch.randn(MAX_ROWS_BF16 + 36, 300, generator=g), torch.randn(48, generator=g)
+    activation.set_activation_dtype("bf16")
+    try:
+        y = linear(x, w, b)
+    finally:
+        activation.set_activation_dtype("fp32")
+    with pytest.raises(AssertionError):
+        assert_close_to_truth(y, x, w, b)
+    assert_close_to_truth(y, x, w, b, rel=2 * 2.0**-8)
+    assert_close_to_truth(linear(x, w, b), x, w, b)  # off again: exact
