@@ -205,17 +205,17 @@ class EngineLoop:
     def _fail(self, sub: Submission, message: str) -> None:
         """Abort one submission's running requests (each gets a final output saying why)."""
         for choice, rid in enumerate(sub.request_ids):
-            if self._routes.pop(rid, None) is not None:
-                sub.put(choice, _failed(rid, message, "abort"))
+            if self._routes.pop(rid, None) is not None:  # aborted before the client hears it ended
                 self.core.abort_request(rid)
+                sub.put(choice, _failed(rid, message, "abort"))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         for rid, (sub, choice) in list(self._routes.items()):
-            sub.put(choice, _failed(rid, message, reason))
-            try:
+            try:  # aborted before the client hears it ended
                 self.core.abort_request(rid)
             except Exception:  # the engine is already in a bad state; the request is failed either way
                 log.exception("abort after a failed step")
+            sub.put(choice, _failed(rid, message, reason))
         self._routes.clear()
 
 
