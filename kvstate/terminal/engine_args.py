@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvstate.terminal.arg_types import count_arg
+from kvstate.terminal.arg_types import count_arg, seed_arg, whole_number
 from kvstate.errors import KvstateError
 
 
@@ -21,27 +21,49 @@ def weight_dtype_arg(text: str) -> str:
     return name
 
 
+def interval_arg(text: str):
+    """--snapshot-interval: a token count or 'auto'."""
+    return "auto" if text == "auto" else count_arg(text)
+
+
+# the argparse type of each engine setting on the command line (a bool is a switch, a str as given)
+ARG_TYPES = {"block_size": count_arg, "max_num_seqs": count_arg, "max_num_batched_tokens": count_arg,
+             "max_model_len": count_arg, "seed": seed_arg, "snapshot_interval": interval_arg,
+             "num_snapshot_slots": whole_number(0), "prefix_align": count_arg, "weight_dtype": weight_dtype_arg,
+             "tensor_parallel_size": count_arg}
+
+
+def add_engine_args(parser, names: tuple[str, ...], help: dict[str, str] | None = None) -> None:
+    """An option for each named `EngineConfig` field, its flags and help from the field's metadata
+    (`help`: a command's own words for a field, where it means more there)."""
+    from kvstate.engine.config import SETTINGS
+
+    for name in names:
+        f, meta = SETTINGS[name], SETTINGS[name].metadata
+        flags = meta["flags"] or ("--" + name.replace("_", "-"),)
+        text = (help or {}).get(name, meta["help"])
+        if f.default is False:
+            parser.add_argument(*flags, dest=name, action="store_true", help=text)
+            continue
+        shown = meta["shown"] or f.default
+        parser.add_argument(*flags, dest=name, type=ARG_TYPES.get(name, str), default=f.default,
+                            metavar=meta["metavar"], help=f"{text} (default: {shown})")
+
+
+def engine_config(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The EngineConfig fields of the parsed options `names` (as `LLM(model, **fields)` takes them),
+    speculative decoding's flags included."""
+    fields = {name: getattr(args, name) for name in names}
+    return {**fields, "speculative_config": speculative_config(args)}
+
+
 def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weight-dtype", type=weight_dtype_arg, default=None, metavar="DTYPE",
-                        help="keep the weight matrices in bf16 or fp32, or the projections in int8 with per-row "
-                             "scales, or in GGML's q8_0, q4_0 or q4_k blocks; math stays fp32 (default: the "
-                             "checkpoint's)")
-
-
-def add_tp_arg(parser: argparse.ArgumentParser) -> None:
-    """--tp N: tensor parallelism over N processes (gloo on CPU, spawned on 127.0.0.1, or torchrun's)."""
-    parser.add_argument("--tp", type=count_arg, default=1, metavar="N",
-                        help="shard the model and its caches over N processes (tensor parallelism; default: 1); "
-                             "--cache-memory is then per process")
+    add_engine_args(parser, ("weight_dtype",))
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
     """--cache-memory and --max-model-len."""
-    parser.add_argument("--cache-memory", default=None, metavar="SIZE",
-                        help="KV + state pool budget, e.g. 4GiB (default: a fraction of the free memory)")
-    parser.add_argument("--max-model-len", type=count_arg, default=None, metavar="N",
-                        help="longest prompt + output in tokens, at most the model's (default: the model's "
-                             "max_position_embeddings)")
+    add_engine_args(parser, ("cache_memory", "max_model_len"))
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
