@@ -17,7 +17,7 @@ import warnings
 from collections import Counter
 
 from kvstate.terminal.arg_types import count_arg, whole_number
-from kvstate.terminal.engine_args import add_engine_args, add_spec_args, engine_config
+from kvstate.terminal.engine_args import add_engine_args, add_speculative_args, engine_config
 from kvstate.errors import KvstateError, UnknownTokenWarning
 
 
@@ -63,7 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token (default: stop there)")
     add_engine_args(parser, ENGINE_ARGS)
-    add_spec_args(parser)
+    add_speculative_args(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt when done instead of streaming text")
 

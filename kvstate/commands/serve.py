@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from kvstate.terminal.arg_types import count_arg
-from kvstate.terminal.engine_args import add_engine_args, add_spec_args
+from kvstate.terminal.engine_args import add_engine_args, add_speculative_args
 from kvstate.errors import KvstateError
 from kvstate.server.limits import (CHARS_PER_TOKEN, DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_IDLE_TIMEOUT,
                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES)
@@ -64,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the --model argument's last path part)")
     add_engine_args(parser, ENGINE_ARGS)
-    add_spec_args(parser)
+    add_speculative_args(parser)
     parser.add_argument("--bench-json", default=None, metavar="FILE",
                         help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
                              "timeline at real scale (the page can also take an upload)")

@@ -131,8 +131,7 @@ def _draft_costs(speculative_config, max_num_seqs: int, block_size: int) -> tupl
         return None
     spec = cache_spec(read_plan(resolve_checkpoint(config.model)), kv_dtype="float32", state_dtype="float32",
                       conv_dtype="float32")
-    return draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, max_tokens=0,
-                            k=config.num_speculative_tokens)
+    return draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, k=config.num_speculative_tokens)
 
 
 def _uses_mtp(speculative_config, model, plan) -> bool:

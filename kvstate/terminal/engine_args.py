@@ -66,37 +66,38 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, ("cache_memory", "max_model_len"))
 
 
-def add_spec_args(parser: argparse.ArgumentParser) -> None:
-    """--spec-ngram, --spec-mtp, --spec-model, --spec-tokens, --speculative-config (read by `speculative_config`)."""
-    spec = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
-    spec.add_argument("--spec-ngram", type=count_arg, default=None, metavar="K",
-                      help="draft K tokens per step by prompt lookup (the continuation of the last n-gram's "
-                           "latest earlier occurrence)")
-    spec.add_argument("--spec-mtp", type=count_arg, default=None, metavar="K",
-                      help="draft K tokens per step with the checkpoint's own multi-token-prediction head "
-                           "(mtp.* of Qwen3.5 / Qwen3-Next; K of 1-3)")
-    spec.add_argument("--spec-model", default=None, metavar="PATH",
-                      help="draft with this smaller checkpoint of the same vocabulary (K from --spec-tokens)")
-    spec.add_argument("--spec-tokens", type=count_arg, default=4, metavar="K",
-                      help="tokens the draft model proposes per step (default: 4)")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON",
-                      help="vLLM's dict, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                           "\"prompt_lookup_max\": 4}'")
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """--speculative-ngram, -mtp, -model, -tokens, -config (read by `speculative_config`); the old
+    --spec-* spellings stay as hidden aliases for one release."""
+    group = parser.add_argument_group("speculative decoding (greedy output unchanged; sampling keeps its distribution)")
+    for name, kind, default, metavar, text in (
+            ("ngram", count_arg, None, "K", "draft K tokens per step by prompt lookup (the continuation of the "
+                                            "last n-gram's latest earlier occurrence)"),
+            ("mtp", count_arg, None, "K", "draft K tokens per step with the checkpoint's own multi-token-"
+                                          "prediction head (mtp.* of Qwen3.5 / Qwen3-Next; K of 1-3)"),
+            ("model", str, None, "PATH", "draft with this smaller checkpoint of the same vocabulary (K from "
+                                         "--speculative-tokens)"),
+            ("tokens", count_arg, 4, "K", "tokens the draft model proposes per step (default: 4)")):
+        dest = f"speculative_{name}"
+        group.add_argument(f"--speculative-{name}", dest=dest, type=kind, default=default, metavar=metavar, help=text)
+        group.add_argument(f"--spec-{name}", dest=dest, type=kind, default=default, help=argparse.SUPPRESS)
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="vLLM's dict, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"prompt_lookup_max\": 4}'")
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
     """The speculative_config of the flags (at most one of them), or None."""
-    given = [f for f, v in (("--spec-ngram", args.spec_ngram), ("--spec-mtp", args.spec_mtp),
-                            ("--spec-model", args.spec_model),
-                            ("--speculative-config", args.speculative_config)) if v is not None]
+    given = [f"--speculative-{name}" for name in ("ngram", "mtp", "model", "config")
+             if getattr(args, f"speculative_{name}") is not None]
     if len(given) > 1:
         raise KvstateError(f"{' and '.join(given)}: give one way of drafting")
-    if args.spec_ngram is not None:
-        return {"method": "ngram", "num_speculative_tokens": args.spec_ngram}
-    if args.spec_mtp is not None:
-        return {"method": "mtp", "num_speculative_tokens": args.spec_mtp}
-    if args.spec_model is not None:
-        return {"model": args.spec_model, "num_speculative_tokens": args.spec_tokens}
+    if args.speculative_ngram is not None:
+        return {"method": "ngram", "num_speculative_tokens": args.speculative_ngram}
+    if args.speculative_mtp is not None:
+        return {"method": "mtp", "num_speculative_tokens": args.speculative_mtp}
+    if args.speculative_model is not None:
+        return {"model": args.speculative_model, "num_speculative_tokens": args.speculative_tokens}
     if args.speculative_config is not None:
         try:
             return json.loads(args.speculative_config)
