@@ -68,3 +68,33 @@ def test_llm_takes_config_or_fields_not_both(tmp_path):
         LLM(tmp_path, config=EngineConfig(), max_num_seqs=2)
     with pytest.raises(TypeError, match="no_such_setting"):
         LLM(tmp_path, no_such_setting=1)
+
+
+def test_the_budget_without_cache_memory_holds_every_sequence_at_full_length(monkeypatch):
+    """No cache_memory: the pools hold max_num_seqs requests at max_model_len (and, with prefix
+    caching, 2 snapshots per sequence), unless the fraction of free memory is smaller (no torch)."""
+    from types import SimpleNamespace
+
+    from kvstate.cache.spec import cache_spec
+    from kvstate.engine import budget
+    from kvstate.families import read_plan
+
+    plan = read_plan("qwen3.5-0.8b")
+    spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
+    model = SimpleNamespace()  # one process, no MTP head
+    monkeypatch.setattr(budget, "available_memory", lambda: 1 << 50)
+    got = budget.engine_budget(EngineConfig(max_num_seqs=3, max_model_len=100), model, plan)
+    assert got == budget.Budget(3 * (spec.state_bytes + 100 * spec.kv_bytes_per_token), 0, 3, 100, False)
+    cached = budget.engine_budget(EngineConfig(max_num_seqs=3, max_model_len=100, enable_prefix_caching=True),
+                                  model, plan)
+    # 2 snapshot slots per sequence, within half the budget
+    assert cached.cache_bytes == got.cache_bytes + 6 * spec.state_bytes
+    assert cached.num_slots == 3 + min(6, cached.cache_bytes // 2 // spec.state_bytes) < 3 + 6
+    monkeypatch.setattr(budget, "available_memory", lambda: 10 * spec.state_bytes)
+    small = budget.engine_budget(EngineConfig(max_num_seqs=3, max_model_len=100), model, plan)
+    assert small.cache_bytes == int(budget.DEFAULT_CACHE_FRACTION * 10 * spec.state_bytes)
+    with pytest.raises(KvstateError, match="more than the model's maximum"):
+        budget.engine_budget(EngineConfig(max_model_len=plan.max_position_embeddings + 1), model, plan)
+    with pytest.raises(KvstateError, match="needs a checkpoint with multi-token-prediction"):
+        budget.engine_budget(EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+                             model, plan)
