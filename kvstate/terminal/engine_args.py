@@ -1,5 +1,6 @@
 """Command-line options shared by the commands that run the engine (generate, serve, the benchmarks):
-argument types, the weight dtype, the cache budget and length, speculative decoding, tensor parallelism."""
+one option per `EngineConfig` field they name, its flags and help from the field (kvstate.engine.config),
+and the speculative decoding flags that make its speculative_config."""
 
 from __future__ import annotations
 
@@ -33,15 +34,14 @@ ARG_TYPES = {"block_size": count_arg, "max_num_seqs": count_arg, "max_num_batche
              "tensor_parallel_size": count_arg}
 
 
-def add_engine_args(parser, names: tuple[str, ...], help: dict[str, str] | None = None) -> None:
-    """An option for each named `EngineConfig` field, its flags and help from the field's metadata
-    (`help`: a command's own words for a field, where it means more there)."""
+def add_engine_args(parser, names: tuple[str, ...]) -> None:
+    """An option for each named `EngineConfig` field, its flags and help from the field's metadata."""
     from kvstate.engine.config import SETTINGS
 
     for name in names:
         f, meta = SETTINGS[name], SETTINGS[name].metadata
         flags = meta["flags"] or ("--" + name.replace("_", "-"),)
-        text = (help or {}).get(name, meta["help"])
+        text = meta["help"]
         if f.default is False:
             parser.add_argument(*flags, dest=name, action="store_true", help=text)
             continue
@@ -59,11 +59,6 @@ def engine_config(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
 
 def add_weight_dtype(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, ("weight_dtype",))
-
-
-def add_cache_args(parser: argparse.ArgumentParser) -> None:
-    """--cache-memory and --max-model-len."""
-    add_engine_args(parser, ("cache_memory", "max_model_len"))
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
