@@ -27,6 +27,7 @@ import argparse
 import json
 import time
 
+from kvstate.engine.speculative.drafter import Drafter
 from kvstate.terminal.arg_types import count_arg, decode_tokens_arg
 
 DRAFT_DIMS = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -47,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="target checkpoint or shipped model name (default: a random Qwen3.5-style one)")
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts the continuation the target is known to produce (the benchmark's upper bound)."""
 
     def __init__(self, expected: dict[tuple, list[int]]):
@@ -55,9 +56,6 @@ class OracleDrafter:
 
     def propose(self, requests):
         return [self.expected[tuple(s.prompt_token_ids)][s.num_tokens : s.num_tokens + k] for s, k in requests]
-
-    def release(self, seq) -> None:
-        pass
 
 
 def copy_prompt(llm, plen: int, new: int, g) -> list[int]:
@@ -105,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     from kvstate.engine.speculative.draft_model import DraftModelDrafter
     from kvstate.engine.speculative.mtp import MtpDrafter
     from kvstate.engine.speculative.ngram import NgramDrafter
-    from kvstate.engine.speculative.proposer import Proposer
     from kvstate.errors import KvstateError
     from kvstate.models.loader import load_model
 
@@ -153,11 +150,10 @@ def run(args: argparse.Namespace) -> int:
 
     def once(prompt, make):
         """(seconds of 1 new token, seconds of `new`, output, proposer) of batch-1 greedy decoding with
-        the proposer `make()` (None: plain)."""
+        the (speculative config, drafter) of `make()` (`make` None: plain)."""
         times = []
         for n in (1, new):
-            core.proposer = prop = make()
-            core.runner.keep_hidden = prop is not None and isinstance(prop.drafter, MtpDrafter)
+            prop = core.set_proposer(*make()) if make is not None else core.set_proposer(None)
             t0 = time.perf_counter()
             out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
             times.append(time.perf_counter() - t0)
@@ -183,10 +179,10 @@ def run(args: argparse.Namespace) -> int:
         return race(prompt, {"run": make})["run"]
 
     rows, plain = [], {}
-    decode(prompts["random"][:8], lambda: None)  # warm up
+    decode(prompts["random"][:8], None)  # warm up
     for name, prompt in prompts.items():
         with console.status(f"plain decode, {name} prompt"):
-            plain[name] = decode(prompt, lambda: None)[:2]
+            plain[name] = decode(prompt, None)[:2]
     expected = {tuple(p): p + plain[name][1] for name, p in prompts.items()}
     drafters = {"oracle": ("random", lambda k: OracleDrafter(expected)),
                 "ngram": ("copy-heavy", lambda k: NgramDrafter(1, 4)),
@@ -202,14 +198,13 @@ def run(args: argparse.Namespace) -> int:
             cfg = SpeculativeConfig("ngram", k)
             with console.status(f"{method}, k={k}"):
                 # plain in turn with it, on the same prompt (`race`)
-                got = race(prompts[which], {"spec": lambda: Proposer(cfg, make_drafter(k), core.max_model_len),
-                                            "plain": lambda: None})
+                got = race(prompts[which], {"spec": lambda: (cfg, make_drafter(k)), "plain": None})
                 (tps, tokens, prop), base_tps = got["spec"], got["plain"][0]
             st = prop.stats()
             rows.append(dict(method=method, prompt=which, k=k, acceptance=st["spec_acceptance_rate"],
                              tokens_per_step=st["spec_mean_accepted_length"], tokens_per_s=tps,
                              plain_tokens_per_s=base_tps, speedup=tps / base_tps, exact=tokens == base_tokens))
-    core.proposer = None
+    core.set_proposer(None)
     name = f"random Qwen3.5-style {size}" if args.model is None else str(args.model)
     result = dict(model=f"{name} ({llm.plan.params.total / 1e9:.3g}B, {llm.plan.layer_string})",
                   prompt_tokens=plen, new_tokens=new, threads=torch.get_num_threads(),
