@@ -70,6 +70,11 @@ class EngineCore:
     def model(self):
         return self.runner.model
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (callers then give snapshot hints where chats' messages end)."""
+        return self.scheduler.prefix is not None
+
     def _prefix_costs(self) -> tuple[float, float, int, int]:
         """(prefill FLOPs per token, per token pair, slot bytes, block bytes) for the snapshot eviction:
         2 per weight per token; attention's QK and PV ~ 2 per cached K/V element per query (GQA's
