@@ -5,9 +5,8 @@ Same checkpoint and the same prompts on both sides, in one process: a random Qwe
 matrices in `--weight-dtype` (default: the checkpoint's), activations fp32; transformers runs fp32.
 Decode speed: kvstate's is the time of one generate() of N tokens minus its first engine step
 (prefill + first token), over N - 1 steps; transformers' (which cannot be stepped) the time of
-generating N tokens minus that of generating 1, over N - 1. (The difference of two calls let the
-prefill's variation from one call to the next, ~1 s of an 8 s prefill at batch 8, into kvstate's
-figure: ~30 ms a step.) Bytes per decode step are what must be
+generating N tokens minus that of generating 1, over N - 1 (a difference of two calls would let
+the prefill's variation between calls into kvstate's figure). Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
 and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` of 1 GiB on the
 same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes, with

@@ -23,7 +23,7 @@ from kvstate.engine.speculative.drafter import Drafter
 from kvstate.errors import KvstateError
 from kvstate.families import read_plan
 from kvstate.models import decode_blocks
-from kvstate.models.generate import greedy_generate
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.models.checks import random_ids, redraw_weights
 from tests.models.mtp_checkpoint import TINY_QWEN3_5, add_mtp

@@ -10,7 +10,7 @@ import pytest
 
 from kvstate import LLM, SamplingParams
 from kvstate.engine.speculative.drafter import Drafter
-from kvstate.models.generate import greedy_generate
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_qwen3_5
 from tests.models.checks import random_ids, redraw_weights
