@@ -4,13 +4,20 @@ Layers come from `layer_types` ("full_attention" | "conv") or `full_attn_idxs` (
 A conv layer keeps a window of `conv_L_cache` columns over hidden_size channels and no
 recurrent state. The MLP width follows transformers' Lfm2MLP (auto-adjusted to 2/3, times
 block_ffn_dim_multiplier, rounded up to block_multiple_of).
+
+Model building: attention with per-head q/k RMSNorm (q_layernorm / k_layernorm, o_proj named
+out_proj) and RoPE (theta 1e6 by default); the conv layers are `layers.short_conv.ShortConv`;
+the SwiGLU MLP is w1 (gate), w3 (up), w2 (down); the final norm is `embedding_norm`.
 """
 
 from __future__ import annotations
 
 from kvstate.config.fields import ConfigView
+from kvstate.config.options import ModelOptions
 from kvstate.config.plan import FfnSpec, LayerSpec, ModelPlan, ShortConvSpec
 from kvstate.families._common import attention, build_plan, layer_words
+from kvstate.families._options import eps, rope
+from kvstate.families._weights import Target, common_targets
 
 MODEL_TYPES = ("lfm2",)
 
@@ -45,3 +52,25 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
     ffn = FfnSpec("mlp", intermediate_size=_ffn_width(cfg))
     layers = [LayerSpec(i, (attn if w == "full" else conv,), ffn) for i, w in enumerate(words)]
     return build_plan(cfg, name, "lfm2", layers, tie_default=True)
+
+
+# -- model building (kvstate.models) -------------------------------------------------------------
+
+_RULES = ((r"layers\.(\d+)\.self_attn\.out_proj\.weight", r"layers.\1.mixer.o_proj.weight"),
+          (r"layers\.(\d+)\.self_attn\.(q|k)_layernorm\.weight", r"layers.\1.mixer.\2_norm.weight"),
+          (r"layers\.(\d+)\.conv\.conv\.(weight|bias)", r"layers.\1.mixer.conv_\2"),
+          (r"layers\.(\d+)\.conv\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.mixer.\2.\3"),
+          (r"layers\.(\d+)\.operator_norm\.weight", r"layers.\1.input_norm.weight"),
+          (r"layers\.(\d+)\.ffn_norm\.weight", r"layers.\1.ffn_norm.weight"),
+          (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"layers.\1.ffn.gate_proj.weight"),
+          (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"layers.\1.ffn.up_proj.weight"),
+          (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"layers.\1.ffn.down_proj.weight"),
+          (r"embedding_norm\.weight", "norm.weight"))
+
+
+def model_options(cfg: ConfigView) -> ModelOptions:
+    return ModelOptions(norm_eps=eps(cfg, "norm_eps", default=1e-5), act="silu", **rope(cfg, default_theta=1e6))
+
+
+def weight_targets(name: str, plan) -> list[Target] | None:
+    return common_targets(name, plan, extra_rules=_RULES)

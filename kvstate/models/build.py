@@ -26,6 +26,7 @@ from kvstate.config.plan import (
     Mamba2Spec,
     MLASpec,
     ModelPlan,
+    ShortConvSpec,
 )
 from kvstate.errors import KvstateError
 from kvstate.kernels import Linear
@@ -38,6 +39,7 @@ from kvstate.layers.mla import MLA
 from kvstate.layers.mlp import MLP, GatedMLP
 from kvstate.layers.moe import MoE
 from kvstate.layers.norm import RMSNorm
+from kvstate.layers.short_conv import ShortConv
 from kvstate.models.decoder import Block, HybridDecoder, ParallelMixers
 from kvstate.models.mtp import MtpHead
 
@@ -49,6 +51,7 @@ MIXERS: dict[type, type[nn.Module]] = {
     KDASpec: KimiDeltaAttention,
     Mamba2Spec: Mamba2,
     Mamba1Spec: Mamba1,
+    ShortConvSpec: ShortConv,
 }
 
 
@@ -64,8 +67,8 @@ def build_ffn(spec: FfnSpec, hidden: int, opts: ModelOptions):
         return None
     if spec.kind == "mlp":
         if spec.gated:
-            return GatedMLP(hidden, spec.intermediate_size, act=opts.act, bias=opts.mlp_bias, scales=opts.mlp_scales)
-        return MLP(hidden, spec.intermediate_size, act=opts.act, bias=opts.mlp_bias)
+            return GatedMLP(hidden, spec.intermediate_size, act=opts.act, bias=spec.bias, scales=opts.mlp_scales)
+        return MLP(hidden, spec.intermediate_size, act=opts.act, bias=spec.bias)
     return MoE(hidden, spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size,
                router=opts.router, gated=spec.gated, act=opts.act,
                shared_intermediate_size=spec.shared_intermediate_size, shared_gate=opts.shared_expert_gate,
