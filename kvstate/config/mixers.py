@@ -32,6 +32,13 @@ def _found(*problems: str | None) -> list[str]:
     return [p for p in problems if p]
 
 
+def _channel_cuts(d: int, segments: int, tp: int, r: int) -> tuple[Cut, Cut, Cut]:
+    """A mixer over d channels, each rank a share of them: (rows of a per-channel parameter, rows of an
+    input projection of `segments` d-wide parts, columns of a projection back from the channels)."""
+    return rows(d, part(d, tp, r)), rows(segments * d, *(part(d, tp, r, k * d) for k in range(segments))), \
+        cols(d, part(d, tp, r))
+
+
 class _Mixer:
     """Defaults of the cache description: no KV, no recurrent state, no conv window."""
 
@@ -325,12 +332,10 @@ class Mamba1Spec(_Mixer):
         return replace(self, d_inner=self.d_inner // tp)
 
     def tp_cuts(self, tp: int, r: int) -> Cuts:
-        d = self.d_inner
-        chan = rows(d, part(d, tp, r))
-        proj = rows(2 * d, part(d, tp, r), part(d, tp, r, d))
+        chan, proj, out = _channel_cuts(self.d_inner, 2, tp, r)  # in_proj: [x | z]
         return {"in_proj.weight": proj, "in_proj.bias": proj, "conv_weight": chan, "conv_bias": chan,
-                "x_proj.weight": cols(d, part(d, tp, r)), "dt_proj.weight": chan, "dt_proj.bias": chan,
-                "A_log": chan, "D": chan, "out_proj.weight": cols(d, part(d, tp, r))}, ("out_proj.bias",)
+                "x_proj.weight": out, "dt_proj.weight": chan, "dt_proj.bias": chan, "A_log": chan, "D": chan,
+                "out_proj.weight": out}, ("out_proj.bias",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,11 +367,10 @@ class ShortConvSpec(_Mixer):
         return replace(self, dim=self.dim // tp)
 
     def tp_cuts(self, tp: int, r: int) -> Cuts:
-        d = self.dim
-        chan = rows(d, part(d, tp, r))
-        proj = rows(3 * d, *(part(d, tp, r, k * d) for k in range(3)))  # [B | C | x]
-        return {"in_proj.weight": proj, "in_proj.bias": proj, "conv_weight": chan, "conv_bias": chan,
-                "out_proj.weight": cols(d, part(d, tp, r))}, ("out_proj.bias",)
+        chan, proj, out = _channel_cuts(self.dim, 3, tp, r)  # in_proj: [B | C | x]
+        cuts = dict.fromkeys(("conv_weight", "conv_bias"), chan)
+        return cuts | dict.fromkeys(("in_proj.weight", "in_proj.bias"), proj) | {"out_proj.weight": out}, \
+            ("out_proj.bias",)
 
 
 MixerSpec = Union[AttentionSpec, MLASpec, GatedDeltaNetSpec, KDASpec, Mamba2Spec, Mamba1Spec, ShortConvSpec]

@@ -56,16 +56,13 @@ def read(cfg: ConfigView, name: str) -> ModelPlan:
 
 # -- model building (kvstate.models) -------------------------------------------------------------
 
-_RULES = ((r"layers\.(\d+)\.self_attn\.out_proj\.weight", r"layers.\1.mixer.o_proj.weight"),
-          (r"layers\.(\d+)\.self_attn\.(q|k)_layernorm\.weight", r"layers.\1.mixer.\2_norm.weight"),
-          (r"layers\.(\d+)\.conv\.conv\.(weight|bias)", r"layers.\1.mixer.conv_\2"),
-          (r"layers\.(\d+)\.conv\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.mixer.\2.\3"),
-          (r"layers\.(\d+)\.operator_norm\.weight", r"layers.\1.input_norm.weight"),
-          (r"layers\.(\d+)\.ffn_norm\.weight", r"layers.\1.ffn_norm.weight"),
-          (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"layers.\1.ffn.gate_proj.weight"),
-          (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"layers.\1.ffn.up_proj.weight"),
-          (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"layers.\1.ffn.down_proj.weight"),
-          (r"embedding_norm\.weight", "norm.weight"))
+# LFM2's names -> the names common_targets knows (attention, MLP and norms as Llama spells them)
+_SPELLINGS = {".self_attn.out_proj.": ".self_attn.o_proj.", ".q_layernorm.": ".q_norm.", ".k_layernorm.": ".k_norm.",
+              ".operator_norm.": ".input_layernorm.", ".ffn_norm.": ".post_attention_layernorm.",
+              ".feed_forward.w1.": ".mlp.gate_proj.", ".feed_forward.w3.": ".mlp.up_proj.",
+              ".feed_forward.w2.": ".mlp.down_proj.", "model.embedding_norm.": "model.norm."}
+_CONV = ((r"layers\.(\d+)\.conv\.conv\.(weight|bias)", r"layers.\1.mixer.conv_\2"),
+         (r"layers\.(\d+)\.conv\.(in_proj|out_proj)\.(weight|bias)", r"layers.\1.mixer.\2.\3"))
 
 
 def model_options(cfg: ConfigView) -> ModelOptions:
@@ -73,4 +70,6 @@ def model_options(cfg: ConfigView) -> ModelOptions:
 
 
 def weight_targets(name: str, plan) -> list[Target] | None:
-    return common_targets(name, plan, extra_rules=_RULES)
+    for theirs, common in _SPELLINGS.items():
+        name = name.replace(theirs, common)
+    return common_targets(name, plan, extra_rules=_CONV)

@@ -14,7 +14,7 @@ import pytest
 
 from kvstate import LLM
 from kvstate.cli import main
-from tests.engine.test_engine import VOCAB
+from tests.engine.test_engine import VOCAB, saved
 from tests.engine.test_engine import test_arrivals_chunked_prefill_and_preemption_give_exact_greedy_tokens as arrivals
 from tests.engine.test_prefix_caching import test_shared_system_prompt_and_branching_conversations as branching
 from tests.engine.test_spec import test_prefix_caching_and_speculation_together_stay_exact as prefix_and_speculation
@@ -43,10 +43,7 @@ def cache_layout(family: str, cfg) -> tuple[int, int]:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
-    hf = FAMILIES[request.param]()
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return path, hf, request.param
+    return saved(FAMILIES, request, tmp_path_factory)
 
 
 def test_alone_and_batched_over_time_give_transformers_tokens(checkpoint):
