@@ -13,7 +13,8 @@ from transformers import FalconH1Config, FalconH1ForCausalLM
 from kvstate.cache.spec import cache_spec
 from kvstate.models.decoder import ParallelMixers
 from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_full_forward,
-                                 check_plan_matches_model, redraw_weights, save_and_load)
+                                 check_plan_matches_model, check_saved_loads_in_transformers, redraw_weights,
+                                 save_and_load)
 
 VOCAB = 101
 MULTIPLIERS = dict(attention_in_multiplier=0.75, attention_out_multiplier=1.25, key_multiplier=0.5,
@@ -40,6 +41,7 @@ def test_falcon_h1_matches_transformers(tmp_path):
     check_plan_matches_model(plan, model)
     assert plan.params.total == sum(p.numel() for p in hf.parameters())
     check_all(model, hf, VOCAB)
+    check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)
 
 
 @pytest.mark.parametrize("variant", [

@@ -10,7 +10,8 @@ from transformers import Lfm2Config, Lfm2ForCausalLM
 
 from kvstate.cache.spec import cache_spec
 from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_full_forward,
-                                 check_plan_matches_model, redraw_weights, save_and_load)
+                                 check_plan_matches_model, check_saved_loads_in_transformers, redraw_weights,
+                                 save_and_load)
 
 VOCAB = 101
 # conv, attention (4 query / 2 KV heads of 16), conv, conv; MLP width 160 -> 2/3 -> rounded up to 16: 112
@@ -32,6 +33,7 @@ def test_lfm2_matches_transformers(tmp_path):
     check_plan_matches_model(plan, model)
     assert plan.params.total == sum(p.numel() for p in hf.parameters())
     check_all(model, hf, VOCAB)
+    check_saved_loads_in_transformers(model, plan, hf, tmp_path, VOCAB)
 
 
 def test_biases_untied_head_and_attention_indices(tmp_path):
