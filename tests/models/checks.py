@@ -42,6 +42,14 @@ def save_and_load(hf_model, tmp_path):
     return model, plan
 
 
+def tiny_model(model_class, config_class, seed: int, **config):
+    """transformers' `model_class(config_class(**config))` in eval mode, its weights redrawn at unit scale."""
+    torch.manual_seed(seed)
+    hf = model_class(config_class(**config)).eval()
+    redraw_weights(hf, seed)
+    return hf
+
+
 def redraw_weights(model: torch.nn.Module, seed: int) -> None:
     """Redraw a tiny model's weights at unit scale, so that a wrong detail moves the logits.
 

@@ -13,8 +13,8 @@ from transformers import FalconH1Config, FalconH1ForCausalLM
 from kvstate.cache.spec import cache_spec
 from kvstate.models.decoder import ParallelMixers
 from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_full_forward,
-                                 check_plan_matches_model, check_saved_loads_in_transformers, redraw_weights,
-                                 save_and_load)
+                                 check_plan_matches_model, check_saved_loads_in_transformers, save_and_load,
+                                 tiny_model)
 
 VOCAB = 101
 MULTIPLIERS = dict(attention_in_multiplier=0.75, attention_out_multiplier=1.25, key_multiplier=0.5,
@@ -27,10 +27,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def tiny(seed: int = 0, **extra) -> FalconH1ForCausalLM:
-    torch.manual_seed(seed)
-    hf = FalconH1ForCausalLM(FalconH1Config(**{**BASE, **extra})).eval()
-    redraw_weights(hf, seed)
-    return hf
+    return tiny_model(FalconH1ForCausalLM, FalconH1Config, seed, **{**BASE, **extra})
 
 
 def test_falcon_h1_matches_transformers(tmp_path):

@@ -10,8 +10,8 @@ from transformers import Lfm2Config, Lfm2ForCausalLM
 
 from kvstate.cache.spec import cache_spec
 from tests.models.checks import (check_all, check_bundled_config_builds_as_planned, check_full_forward,
-                                 check_plan_matches_model, check_saved_loads_in_transformers, redraw_weights,
-                                 save_and_load)
+                                 check_plan_matches_model, check_saved_loads_in_transformers, save_and_load,
+                                 tiny_model)
 
 VOCAB = 101
 # conv, attention (4 query / 2 KV heads of 16), conv, conv; MLP width 160 -> 2/3 -> rounded up to 16: 112
@@ -20,10 +20,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_
 
 
 def tiny(seed: int = 0, **extra) -> Lfm2ForCausalLM:
-    torch.manual_seed(seed)
-    hf = Lfm2ForCausalLM(Lfm2Config(**{**BASE, **extra})).eval()
-    redraw_weights(hf, seed)
-    return hf
+    return tiny_model(Lfm2ForCausalLM, Lfm2Config, seed, **{**BASE, **extra})
 
 
 def test_lfm2_matches_transformers(tmp_path):
