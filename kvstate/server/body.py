@@ -18,9 +18,11 @@ ends a list).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 
-from fastapi.concurrency import run_in_threadpool
+import anyio
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -28,6 +30,18 @@ from starlette.requests import Request
 
 OFFLOAD_BYTES = 64 << 10  # smaller bodies validate in about a millisecond: not worth a thread
 MAX_CONTAINERS = 50_000  # a large body's arrays and objects: parsing 600k of them held the interpreter 1.3 s
+
+
+_LIMITERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its limiter
+
+
+def _one_at_a_time() -> anyio.CapacityLimiter:
+    """Large bodies validate one at a time: each call holds the interpreter, and the event loop then
+    waits for one thread, not for six that take turns before it (six at once held /health 1.2 s)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _LIMITERS:
+        _LIMITERS[loop] = anyio.CapacityLimiter(1)
+    return _LIMITERS[loop]
 
 
 class BodyInvalid(HTTPException):
@@ -48,7 +62,7 @@ class _ThreadedRequest(Request):
             body = await self.body()
             if len(body) <= OFFLOAD_BYTES:
                 return await super().json()
-            self._json = await run_in_threadpool(self._validate, body)
+            self._json = await anyio.to_thread.run_sync(self._validate, body, limiter=_one_at_a_time())
         return self._json
 
     def _validate(self, body: bytes) -> BaseModel:
