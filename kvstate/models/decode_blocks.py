@@ -208,7 +208,7 @@ def _norm(norm) -> tuple | None:
 def _tail(ext, block, groups) -> tuple | None:
     """(ffn norm weight, eps, offset, w_gate_up, w_down) for a SiLU gated MLP, or None."""
     ffn, norm = block.ffn, _norm(block.ffn_norm) if block.ffn is not None else None
-    if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu:
+    if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu or (ffn.gate_scale, ffn.down_scale) != (1, 1):
         return None
     w_gu, w_down = _fused(ext, (ffn.gate_proj, ffn.up_proj), groups), _plain(ext, ffn.down_proj)
     return None if w_gu is None or w_down is None else (*norm, w_gu, w_down)
@@ -232,7 +232,7 @@ def _attention(ext, block, groups):
     m = block.mixer
     norm, tail = _norm(block.input_norm), _tail(ext, block, groups)
     w_qkv, w_o = _fused(ext, (m.q_proj, m.k_proj, m.v_proj), groups), _plain(ext, m.o_proj)
-    if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None):
+    if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None) or m.key_scale != 1:
         return None
     qn = kn = None
     eps = offset = 0.0
