@@ -6,8 +6,8 @@ comparison with it, at a relative error of about 2^-9 of sum |w x| per output (`
 --activation-dtype bf16` reports it against the exact mode). "bf16x3" splits x into three bf16
 parts (24 significant bits) for the same instruction: near-exact, not bit-equal to the default.
 The setting is process-wide (the compiled decode blocks' linears follow it too; with "bf16" the
-larger row counts of prefill run torch's bf16 GEMM); int8 and fp32 weights, AMX and AVX2 paths
-keep fp32 math.
+larger row counts of prefill run the extension's AVX512_BF16 GEMM, or torch's bf16 GEMM where the
+kernels' ISA is AMX); int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from kvstate.errors import KvstateError
 
 # name -> bf16 parts of x for the kernel (0: the fp32 path)
 PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3}
-# True while "bf16" is set: the rows past the kernel's (prefill) then run torch's bf16 GEMM too
-# (dispatch.py), which also rounds each output to bf16 before it is widened back.
+# True while "bf16" is set: the rows past the skinny kernel's (prefill) then run a bf16 GEMM too
+# (dispatch.py): the extension's (`own_gemm`: its automatic ISA is AVX-512, so vdpbf16ps, fp32
+# output), else torch's, which also rounds each output to bf16 before it is widened back.
 bf16_gemm = False
+own_gemm = False
+_ORDER = ("amx", "avx512", "avx2")
 
 
 def available() -> bool:
@@ -41,8 +44,16 @@ def set_activation_dtype(name: str) -> None:
         raise KvstateError(f"activation dtype {name}: needs the compiled kernels on a CPU with AVX512_BF16 ({why})")
     if ext is not None:
         ext.set_activation_parts(PARTS[name])
-    global bf16_gemm
+    global bf16_gemm, own_gemm
     bf16_gemm = name == "bf16"
+    own_gemm = bf16_gemm and _auto_isa(ext) == "avx512"
+
+
+def _auto_isa(ext) -> str | None:
+    """The ISA the extension's "auto" runs: the best it has within its cap (KVSTATE_KERNELS)."""
+    cap = ext.isa_cap()
+    allowed = [i for i in ext.isas() if cap == "auto" or _ORDER.index(i) >= _ORDER.index(cap)]
+    return allowed[0] if allowed else None
 
 
 def activation_dtype() -> str:

@@ -83,19 +83,30 @@ void set_activation_parts(int parts) {
   activation_parts = parts;
 }
 
-// y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads.
+// y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads: the
+// skinny kernel for few rows, the GEMM (x rounded to bf16 only) from kGemmRows rows on.
 void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y, int parts) {
+  namespace bf = kvstate::avx512bf16;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + 31) / 32 * 32;
   auto xb = at::empty({M * Kp * parts}, x.options().dtype(at::kBFloat16));
   auto* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
-  kvstate::avx512bf16::prepare_x(x.data_ptr<float>(), M, K, Kp, parts, xbp);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    bf::prepare_x(xp + m0 * K, m1 - m0, K, Kp, parts, xbp + m0 * Kp * parts);
+  });
   const kvstate::GemvBf16Args args{xbp, M, K, Kp, parts, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias,
                                    y.data_ptr<float>(), N};
+  if (parts == 1 && M >= bf::kGemmRows) {
+    at::parallel_for(0, (N + bf::kGemmCols - 1) / bf::kGemmCols, 1, [&](int64_t i0, int64_t i1) {
+      bf::gemm(args, i0 * bf::kGemmCols, std::min(N, i1 * bf::kGemmCols));
+    });
+    last_tile.store("bf16 gemm 6x64", std::memory_order_relaxed);
+    return;
+  }
   const int64_t rows_per_item = 12, items = (N + rows_per_item - 1) / rows_per_item;
   const int64_t grain = std::max<int64_t>(1, ((64 << 10) + rows_per_item * K * 2 - 1) / (rows_per_item * K * 2));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    last_tile.store(kvstate::avx512bf16::rows(args, i0 * rows_per_item, std::min(N, i1 * rows_per_item)),
-                    std::memory_order_relaxed);
+    last_tile.store(bf::rows(args, i0 * rows_per_item, std::min(N, i1 * rows_per_item)), std::memory_order_relaxed);
   });
 }
 
