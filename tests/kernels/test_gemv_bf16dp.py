@@ -12,7 +12,7 @@ from tests.kernels.conftest import assert_close_to_truth, extension
 # N, K: below one 32-element step, ragged tails, one step exactly, several blocks of 3 and 4 W rows.
 SHAPES = [(1, 1), (5, 7), (37, 100), (13, 32), (33, 1000), (3, 2049), (130, 33)]
 ROWS = list(range(1, 18)) + [40, 64]  # every tile width, passes of 8 and their ragged last pass
-GEMM_ROWS = 16  # gemv.h kGemmRows: from here on the bf16 mode runs the GEMM
+GEMM_ROWS = 64  # gemv.h kGemmRows: from here on the bf16 mode runs the GEMM
 
 
 @pytest.fixture
@@ -107,15 +107,31 @@ def test_unknown_dtype_is_a_clear_error():
         activation.set_activation_dtype("fp16")
 
 
-# M, N, K of the GEMM: its first row count, ragged 6-row tiles, 64-column panels with a ragged last
-# one, K below one step, ragged, and over several 256-k panels.
-GEMM_SHAPES = [(16, 64, 32), (17, 5, 7), (23, 130, 100), (40, 64, 513), (61, 200, 1000), (100, 3, 2049),
-               (33, 129, 256)]
+# M, N, K of the GEMM: one row, ragged 6-row tiles, 64-column panels with a ragged last one, K below
+# one step, ragged, and over several 256-k panels.
+GEMM_SHAPES = [(1, 64, 32), (16, 64, 32), (17, 5, 7), (23, 130, 100), (40, 64, 513), (61, 200, 1000),
+               (100, 3, 2049), (33, 129, 256), (6, 1, 1)]
+
+
+@pytest.fixture
+def gemm_from():
+    """Move the row count from which the bf16 mode runs the GEMM (set_bf16_gemm_rows), then put it back."""
+    ext = extension()
+    before = []
+
+    def move(rows):
+        old = ext.set_bf16_gemm_rows(rows)
+        before.append(old) if not before else None
+
+    yield move
+    if before:
+        ext.set_bf16_gemm_rows(before[0])
 
 
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
-def test_gemm_is_the_rounded_x_exactly_summed(ext, m, n, k):
-    """From kGemmRows rows the bf16 mode runs the GEMM: x rounded to bf16, fp32 sums and output."""
+def test_gemm_is_the_rounded_x_exactly_summed(ext, gemm_from, m, n, k):
+    """The GEMM (forced from 1 row on): x rounded to bf16, fp32 sums and output."""
+    gemm_from(1)
     g = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
@@ -125,8 +141,24 @@ def test_gemm_is_the_rounded_x_exactly_summed(ext, m, n, k):
         assert_close_to_truth(y, x.bfloat16().float(), w, bias)
 
 
-def test_gemm_threads_split_the_panels(ext):
+def test_gemm_and_skinny_kernel_agree_past_the_threshold(ext, gemm_from):
+    """The same 100 rows through the GEMM (the default from 64 rows) and the skinny kernel (the
+    threshold moved past them): both within fp32 rounding of the rounded x's exact sum."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 600, generator=g).bfloat16()
+    x = torch.randn(100, 600, generator=g)
+    gemm = _linear(ext, x, w, None, 1)
+    assert ext.last_tile() == "bf16 gemm 6x64"
+    gemm_from(101)
+    skinny = _linear(ext, x, w, None, 1)
+    assert ext.last_tile().startswith("bf16dp")
+    for y in (gemm, skinny):
+        assert_close_to_truth(y, x.bfloat16().float(), w, None)
+
+
+def test_gemm_threads_split_the_panels(ext, gemm_from):
     """Each thread's panels start on a 64-column boundary: one thread and two give the same bits."""
+    gemm_from(1)
     g = torch.Generator().manual_seed(9)
     w = torch.randn(300, 96, generator=g).bfloat16()
     x = torch.randn(30, 96, generator=g)

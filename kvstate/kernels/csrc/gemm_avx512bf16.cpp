@@ -137,9 +137,18 @@ void gemm(const GemvBf16Args& a, int64_t n0, int64_t n1) {
       const int64_t kc = std::min(kKC, a.Kp - k0);  // a multiple of 32, as Kp is
       pack_w(a, n, k0, kc, wp);
       const bool first = k0 == 0, last = k0 + kc >= a.Kp;
-      for (int64_t m = 0; m < a.M; m += kMR) {
+      // the next panel's W lines (the next k, else the next 64 columns' first k), spread over this
+      // panel's tiles: packing reads 64 rows at once, which the hardware prefetchers do not follow
+      const int64_t nn = last ? n + kGemmCols : n, nk = last ? 0 : k0 + kc;
+      const int64_t lines = nn < std::min(n1, a.N) ? kGemmCols * std::min(kKC, a.Kp - nk) / 32 : 0;
+      const int64_t tiles = (a.M + kMR - 1) / kMR;
+      for (int64_t m = 0, t = 0; m < a.M; m += kMR, ++t) {
         const int mr = int(std::min<int64_t>(kMR, a.M - m));
         table.fn[first][last][mr - 1](a, wp, m, n, k0, kc, cols);
+        for (int64_t l = lines * t / tiles; l < lines * (t + 1) / tiles; ++l) {
+          const int64_t row = std::min(nn + l % kGemmCols, a.N - 1), k = std::min(nk + l / kGemmCols * 32, a.K - 1);
+          _mm_prefetch(reinterpret_cast<const char*>(a.w + row * a.K + k), _MM_HINT_T0);
+        }
       }
     }
   }

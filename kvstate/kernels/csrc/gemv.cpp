@@ -83,6 +83,10 @@ void set_activation_parts(int parts) {
   activation_parts = parts;
 }
 
+// From this many x rows the bf16 mode runs the GEMM (below, the skinny kernel: the GEMM's packing of W
+// costs more than it saves); tests and benchmarks move it to force either path.
+std::atomic<int64_t> gemm_rows{kvstate::avx512bf16::kGemmRows};
+
 // y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads: the
 // skinny kernel for few rows, the GEMM (x rounded to bf16 only) from kGemmRows rows on.
 void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y, int parts) {
@@ -96,7 +100,7 @@ void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* 
   });
   const kvstate::GemvBf16Args args{xbp, M, K, Kp, parts, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias,
                                    y.data_ptr<float>(), N};
-  if (parts == 1 && M >= bf::kGemmRows) {
+  if (parts == 1 && M >= gemm_rows.load(std::memory_order_relaxed)) {
     at::parallel_for(0, (N + bf::kGemmCols - 1) / bf::kGemmCols, 1, [&](int64_t i0, int64_t i1) {
       bf::gemm(args, i0 * bf::kGemmCols, std::min(N, i1 * bf::kGemmCols));
     });
@@ -226,6 +230,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 weights on AVX-512: 0 fp32 math (default), 1 x rounded to bf16, 2-3 x split into bf16 parts",
         pybind11::arg("parts"));
   m.def("activation_parts", [] { return activation_parts.load(); }, "what set_activation_parts set");
+  m.def("set_bf16_gemm_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 1, "kvstate kernels: GEMM rows must be >= 1, got ", rows);
+    const int64_t before = gemm_rows.exchange(rows);
+    return before;
+  }, "x rows from which the bf16 activations run the GEMM (default kGemmRows); returns the old value",
+        pybind11::arg("rows"));
   m.def("isa_cap", [] { return std::string(isa_cap == 0 ? "auto" : kIsaNames[isa_cap.load()]); },
         "the cap set_isa_cap applied");
   m.def("paths_run", [] {
