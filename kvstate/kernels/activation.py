@@ -1,6 +1,7 @@
 """Opt-in activation precision of the bf16-weight linears on CPUs with AVX512_BF16 (Zen 4 and later).
 
 By default the kernels widen bf16 weights exactly and keep fp32 math. `set_activation_dtype("bf16")`
+(what `LLM(..., activation_dtype="bf16")` and `--activation-dtype bf16` call)
 rounds each linear's input to bf16 and uses vdpbf16ps, as llama.cpp's bf16 path does: the like-for-like
 comparison with it, at a relative error of about 2^-9 of sum |w x| per output (`kvstate bench engine
 --activation-dtype bf16` reports it against the exact mode). "bf16x3" splits x into three bf16

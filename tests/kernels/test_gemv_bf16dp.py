@@ -114,18 +114,11 @@ GEMM_SHAPES = [(1, 64, 32), (16, 64, 32), (17, 5, 7), (23, 130, 100), (40, 64, 5
 
 
 @pytest.fixture
-def gemm_from():
-    """Move the row count from which the bf16 mode runs the GEMM (set_bf16_gemm_rows), then put it back."""
-    ext = extension()
-    before = []
-
-    def move(rows):
-        old = ext.set_bf16_gemm_rows(rows)
-        before.append(old) if not before else None
-
-    yield move
-    if before:
-        ext.set_bf16_gemm_rows(before[0])
+def gemm_from(ext):
+    """set_bf16_gemm_rows: the row count from which the bf16 mode runs the GEMM; put back after."""
+    default = ext.set_bf16_gemm_rows(GEMM_ROWS)
+    yield ext.set_bf16_gemm_rows
+    ext.set_bf16_gemm_rows(default)
 
 
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
