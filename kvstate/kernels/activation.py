@@ -6,9 +6,10 @@ rounds each linear's input to bf16 and uses vdpbf16ps, as llama.cpp's bf16 path 
 comparison with it, at a relative error of about 2^-9 of sum |w x| per output (`kvstate bench engine
 --activation-dtype bf16` reports it against the exact mode). "bf16x3" splits x into three bf16
 parts (24 significant bits) for the same instruction: near-exact, not bit-equal to the default.
-The setting is process-wide (the compiled decode blocks' linears follow it too; with "bf16" the
-larger row counts of prefill run the extension's AVX512_BF16 GEMM, or torch's bf16 GEMM where the
-kernels' ISA is AMX); int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
+The setting is process-wide (the compiled decode blocks' linears follow it too). From 64 rows
+(prefill) bf16 weights run the extension's AVX512_BF16 GEMM in every mode, x in three bf16 parts for
+fp32 math (as the AMX kernel does); where the kernels' ISA is AMX the prefill keeps torch's GEMMs (bf16
+in the "bf16" mode). int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from kvstate.errors import KvstateError
 
 # name -> bf16 parts of x for the kernel (0: the fp32 path)
 PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3}
-# True while "bf16" is set: the rows past the skinny kernel's (prefill) then run a bf16 GEMM too
-# (dispatch.py): the extension's (`own_gemm`: its automatic ISA is AVX-512, so vdpbf16ps, fp32
-# output), else torch's, which also rounds each output to bf16 before it is widened back.
+# True while "bf16" is set: where the extension's GEMM does not serve the rows past the skinny
+# kernel's (prefill), they run torch's bf16 GEMM, which also rounds each output to bf16.
 bf16_gemm = False
-own_gemm = False
+# Whether the extension's AVX512_BF16 GEMM serves those rows in every mode (x in 3 bf16 parts for
+# fp32 math, 1 for "bf16"): its automatic ISA is AVX-512 on a CPU with AVX512_BF16. None: not yet
+# looked up (gemm_serves).
+own_gemm: bool | None = None
 _ORDER = ("amx", "avx512", "avx2")
 
 
@@ -45,9 +48,20 @@ def set_activation_dtype(name: str) -> None:
         raise KvstateError(f"activation dtype {name}: needs the compiled kernels on a CPU with AVX512_BF16 ({why})")
     if ext is not None:
         ext.set_activation_parts(PARTS[name])
-    global bf16_gemm, own_gemm
+    global bf16_gemm
     bf16_gemm = name == "bf16"
-    own_gemm = bf16_gemm and _auto_isa(ext) == "avx512"
+
+
+def gemm_serves(chosen: str) -> bool:
+    """The extension's GEMM serves any number of rows of bf16 weights for the backend `chosen`
+    (dispatch.choice(): "auto" or "avx512"; on AMX machines "auto" keeps torch's GEMMs)."""
+    global own_gemm
+    if own_gemm is None:
+        from kvstate.kernels import _ext
+
+        ext = _ext.load()
+        own_gemm = ext is not None and bool(ext.has_avx512_bf16()) and _auto_isa(ext) == "avx512"
+    return own_gemm if chosen == "auto" else chosen == "avx512" and available()
 
 
 def _auto_isa(ext) -> str | None:

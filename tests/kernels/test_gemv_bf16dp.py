@@ -202,3 +202,18 @@ def test_bf16_prefill_rows_on_amx_keep_torch_gemm(ext, monkeypatch):
     finally:
         activation.set_activation_dtype("fp32")
     assert torch.equal(y, torch.nn.functional.linear(x.bfloat16(), w).float())
+
+
+def test_exact_mode_prefill_rows_run_the_gemm_in_three_parts(ext):
+    """fp32 math (the default) from 64 rows on: the GEMM with x split in three bf16 parts, within fp32
+    rounding of the exact sum (not torch's fp32 GEMM on upcast weights)."""
+    from kvstate.kernels import linear
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(130, 700, generator=g).bfloat16()
+    x, b = torch.randn(GEMM_ROWS + 7, 700, generator=g) * 3.1, torch.randn(130, generator=g)
+    assert activation.activation_dtype() == "fp32"
+    y = linear(x, w, b)
+    assert ext.last_tile() == "bf16 gemm 6x64"
+    assert_close_to_truth(y, x, w, b)
+    assert_close_to_truth(ext.linear(x, w, b), x, w, b)

@@ -1,6 +1,7 @@
-// AVX512_BF16 GEMM for the many x rows of a prefill (bf16 weights, x rounded to bf16: the opt-in
-// `activation_dtype="bf16"`; only called when the CPU reports avx512_bf16). y = x W^T (+ bias) with
-// fp32 sums and an fp32 output.
+// AVX512_BF16 GEMM for the many x rows of a prefill (bf16 weights; only called when the CPU reports
+// avx512_bf16). y = x W^T (+ bias) with fp32 sums and an fp32 output; x in 1 bf16 part (rounded: the
+// opt-in `activation_dtype="bf16"`) or 3 (split, 24 significant bits: the exact mode's prefill, as
+// the AMX kernel does it).
 //
 // The skinny kernel (gemv_avx512bf16.cpp) keeps a dot product per output in the lanes of one register
 // and reduces it at the end; with hundreds of x rows that reduction and its x traffic cost more than
@@ -71,9 +72,9 @@ void pack_w(const GemvBf16Args& a, int64_t n0, int64_t k0, int64_t kc, uint32_t*
     }
 }
 
-// y[m0 .. m0 + MR, n0 .. n0 + 64] (columns masked by `cols`) += x[rows, k0 : k0 + kc] . wp; FIRST: the
-// first panel of k (y is not read); LAST: the last (the bias is added).
-template <int MR, bool FIRST, bool LAST>
+// y[m0 .. m0 + MR, n0 .. n0 + 64] (columns masked by `cols`) += x[rows, k0 : k0 + kc] . wp, x in P bf16
+// parts; FIRST: the first panel of k (y is not read); LAST: the last (the bias is added).
+template <int MR, int P, bool FIRST, bool LAST>
 void tile(const GemvBf16Args& a, const uint32_t* wp, int64_t m0, int64_t n0, int64_t k0, int64_t kc,
           const __mmask16 (&cols)[kNV]) {
   __m512 acc[MR][kNV];
@@ -81,21 +82,25 @@ void tile(const GemvBf16Args& a, const uint32_t* wp, int64_t m0, int64_t n0, int
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kNV; ++v)
       acc[m][v] = FIRST ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(cols[v], y + m * a.N + 16 * v);
-  // x as 32-bit (k, k + 1) pairs: row m's pair j at xw[m * Kp / 2 + j]
-  const uint32_t* xw = reinterpret_cast<const uint32_t*>(a.x + m0 * a.Kp + k0);
-  const int64_t ldx = a.Kp / 2;
-  for (int64_t j = 0; j < kc / 2; ++j) {
-    __m512i wv[kNV];
-    for (int v = 0; v < kNV; ++v) wv[v] = _mm512_load_si512(wp + j * kGemmCols + 16 * v);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i xv = _mm512_set1_epi32(int(xw[m * ldx + j]));
-      for (int v = 0; v < kNV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], as_bh(wv[v]), as_bh(xv));
+  // x [M, Kp / 32, P, 32] bf16 as 32-bit (k, k + 1) pairs: row m's block b, part p, pair i at
+  // xw[m * ldx + b * 16 * P + p * 16 + i]
+  const uint32_t* xw = reinterpret_cast<const uint32_t*>(a.x + (m0 * a.Kp + k0) * P);
+  const int64_t ldx = a.Kp * P / 2;
+  for (int64_t b = 0; b < kc / 32; ++b)
+    for (int i = 0; i < 16; ++i) {
+      const int64_t j = b * 16 + i;
+      __m512i wv[kNV];
+      for (int v = 0; v < kNV; ++v) wv[v] = _mm512_load_si512(wp + j * kGemmCols + 16 * v);
+      for (int m = 0; m < MR; ++m)
+        for (int p = 0; p < P; ++p) {
+          const __m512i xv = _mm512_set1_epi32(int(xw[m * ldx + b * 16 * P + p * 16 + i]));
+          for (int v = 0; v < kNV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], as_bh(wv[v]), as_bh(xv));
+        }
     }
-  }
   if (LAST && a.bias)
     for (int v = 0; v < kNV; ++v) {
-      const __m512 b = _mm512_maskz_loadu_ps(cols[v], a.bias + n0 + 16 * v);
-      for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_add_ps(acc[m][v], b);
+      const __m512 bias = _mm512_maskz_loadu_ps(cols[v], a.bias + n0 + 16 * v);
+      for (int m = 0; m < MR; ++m) acc[m][v] = _mm512_add_ps(acc[m][v], bias);
     }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kNV; ++v) _mm512_mask_storeu_ps(y + m * a.N + 16 * v, cols[v], acc[m][v]);
@@ -104,29 +109,24 @@ void tile(const GemvBf16Args& a, const uint32_t* wp, int64_t m0, int64_t n0, int
 using TileFn = void (*)(const GemvBf16Args&, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
                         const __mmask16 (&)[kNV]);
 
-// fn[first][last][mr - 1]
+// fn[first][last][mr - 1] for x in P parts
+template <int P>
 struct Table {
   TileFn fn[2][2][kMR];
   Table() { fill(std::make_integer_sequence<int, kMR>{}); }
   template <int... I>
   void fill(std::integer_sequence<int, I...>) {
-    ((fn[0][0][I] = &tile<I + 1, false, false>), ...);
-    ((fn[0][1][I] = &tile<I + 1, false, true>), ...);
-    ((fn[1][0][I] = &tile<I + 1, true, false>), ...);
-    ((fn[1][1][I] = &tile<I + 1, true, true>), ...);
+    ((fn[0][0][I] = &tile<I + 1, P, false, false>), ...);
+    ((fn[0][1][I] = &tile<I + 1, P, false, true>), ...);
+    ((fn[1][0][I] = &tile<I + 1, P, true, false>), ...);
+    ((fn[1][1][I] = &tile<I + 1, P, true, true>), ...);
   }
 };
 
-}  // namespace
-
-void gemm(const GemvBf16Args& a, int64_t n0, int64_t n1) {
-  static const Table table;
+template <int P>
+void gemm_parts(const GemvBf16Args& a, int64_t n0, int64_t n1) {
+  static const Table<P> table;
   alignas(64) static thread_local uint32_t wp[kKC / 2 * kGemmCols];
-  if (a.Kp == 0) {  // K = 0: y is the bias (or zero)
-    for (int64_t m = 0; m < a.M; ++m)
-      for (int64_t n = n0; n < std::min(n1, a.N); ++n) a.y[m * a.N + n] = a.bias ? a.bias[n] : 0.f;
-    return;
-  }
   for (int64_t n = n0; n < n1; n += kGemmCols) {
     __mmask16 cols[kNV];
     for (int v = 0; v < kNV; ++v) {
@@ -152,6 +152,20 @@ void gemm(const GemvBf16Args& a, int64_t n0, int64_t n1) {
       }
     }
   }
+}
+
+}  // namespace
+
+void gemm(const GemvBf16Args& a, int64_t n0, int64_t n1) {
+  if (a.Kp == 0) {  // K = 0: y is the bias (or zero)
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t n = n0; n < std::min(n1, a.N); ++n) a.y[m * a.N + n] = a.bias ? a.bias[n] : 0.f;
+    return;
+  }
+  if (a.parts == 1)
+    gemm_parts<1>(a, n0, n1);
+  else
+    gemm_parts<3>(a, n0, n1);
 }
 
 }  // namespace kvstate::avx512bf16

@@ -100,7 +100,7 @@ void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* 
   });
   const kvstate::GemvBf16Args args{xbp, M, K, Kp, parts, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias,
                                    y.data_ptr<float>(), N};
-  if (parts == 1 && M >= gemm_rows.load(std::memory_order_relaxed)) {
+  if (parts != 2 && M >= gemm_rows.load(std::memory_order_relaxed)) {
     at::parallel_for(0, (N + bf::kGemmCols - 1) / bf::kGemmCols, 1, [&](int64_t i0, int64_t i1) {
       bf::gemm(args, i0 * bf::kGemmCols, std::min(N, i1 * bf::kGemmCols));
     });
@@ -153,7 +153,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const bool use_amx = use == "amx" && (bf16 || i8) && M >= 3;
   const bool wide = use != "avx2";
   const int parts = activation_parts.load(std::memory_order_relaxed);
-  const bool use_dp = bf16 && parts > 0 && use == "avx512" && !narrow;
+  // the GEMM's rows of bf16 weights run vdpbf16ps in every mode, x in 3 parts for the exact one
+  const bool gemm = bf16 && use == "avx512" && !narrow && has_avx512bf16() &&
+                    M >= gemm_rows.load(std::memory_order_relaxed);
+  const bool use_dp = bf16 && (parts > 0 || gemm) && use == "avx512" && !narrow;
   linear_calls[use_dp ? 3 : use_amx ? 0 : wide ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
@@ -162,7 +165,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   if (M == 0 || N == 0) return y;
   pybind11::gil_scoped_release no_gil;
   if (use_dp) {
-    linear_bf16dp(x, w, bptr, y, parts);
+    linear_bf16dp(x, w, bptr, y, parts > 0 ? parts : 3);
     return y;
   }
   int64_t n_amx = 0;
