@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     most = max(batches + profile_batches)  # the engine runs the largest measured or profiled batch at once
     deepest = max(depths, default=0) + max(prefill_len, new)  # --depth's longest prompt and reply
     llm_args = dict(max_num_seqs=most, max_num_batched_tokens=max(prefill_len, most * plen),
-                    max_model_len=max(prefill_len, plen + new, deepest) + 16, weight_dtype=args.weight_dtype)
+                    max_model_len=max(prefill_len, plen + new, deepest) + 16, weight_dtype=args.weight_dtype,
+                    activation_dtype=args.activation_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
             llm, hf, label, path = _sides(args, tmp, llm_args)

@@ -51,7 +51,8 @@ def _seconds(text: str) -> float:
 
 # the EngineConfig fields serve takes as options (kvstate.engine.config documents each)
 ENGINE_ARGS = ("cache_memory", "max_model_len", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-               "enable_prefix_caching", "snapshot_interval", "snapshot_memory", "seed", "weight_dtype")
+               "enable_prefix_caching", "snapshot_interval", "snapshot_memory", "seed", "weight_dtype",
+               "activation_dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
