@@ -1,7 +1,10 @@
-"""How far int8 weights move a model's logits: the int8 model against the same checkpoint in fp32.
+"""How far quantized weights move a model's logits: the quantized model against the same model in fp32.
 
-`kvstate bench engine --weight-dtype int8` prints it beside the speed, so the bytes int8 saves are
-never quoted without what they cost.
+`kvstate bench engine --weight-dtype int8|q8_0|q4_0|q4_k` (against the checkpoint in fp32) and
+`--model FILE.gguf` of a quantized file (against `--quant-baseline`, the unquantized model) print it
+beside the speed, so the bytes quantization saves are never quoted without what they cost: the KL
+divergence of the quantized next-token distribution from the fp32 one (nats, mean over positions),
+the relative logit error and the share of positions whose top-1 token agrees.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 
 def logit_error(path, model, ids: list[int]) -> dict:
     """{"rel": ||logits - fp32 logits|| / ||fp32 logits|| over every position of `ids`,
-    "max_rel": the worst position's, "top1": fraction of positions whose argmax agrees}."""
+    "max_rel": the worst position's, "top1": fraction of positions whose argmax agrees, "kl": mean
+    KL(fp32 || ours) in nats}; the fp32 model is `path` loaded with float32 weights."""
     from kvstate.models.generate import forward_logits
     from kvstate.models.loader import load_model
 
@@ -42,5 +46,8 @@ def activation_error(model, ids: list[int], name: str) -> dict:
 
 def _compare(ours: torch.Tensor, truth: torch.Tensor, positions: int) -> dict:
     per_pos = (ours - truth).norm(dim=-1) / truth.norm(dim=-1).clamp_min(1e-30)
+    log_p, log_q = truth.log_softmax(-1), ours.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [positions]
     return dict(rel=float((ours - truth).norm() / truth.norm()), max_rel=float(per_pos.max()),
-                top1=float((ours.argmax(-1) == truth.argmax(-1)).double().mean()), positions=positions)
+                top1=float((ours.argmax(-1) == truth.argmax(-1)).double().mean()), kl=float(kl.mean()),
+                max_kl=float(kl.max()), positions=positions)

@@ -9,14 +9,16 @@ a, b projections, A and dt_bias, the conv's value channels, the out projection's
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
 way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
-F32, F16 and BF16 tensors keep their dtype; any quantized type is dequantized with gguf's own
-`dequantize` to bfloat16 (one line on stderr per file says so).
+F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
+(`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
+the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
+quantized tensor is dequantized with gguf's own `dequantize` to bfloat16.
 """
 
 from __future__ import annotations
 
 import re
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +27,7 @@ import torch
 
 from kvstate.errors import KvstateError
 from kvstate.gguf.metadata import open_reader
+from kvstate.kernels.ggml_blocks import TYPES, dequantize
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -88,8 +91,33 @@ def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
-    """The checkpoint's tensor from the converter's, for the checkpoint name `name`."""
+@dataclass
+class Blocks:
+    """A quantized matrix as the file's rows of blocks: raw uint8 [N, bytes per row] of `qtype`."""
+
+    raw: torch.Tensor
+    qtype: str
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [N, K]: the weights the blocks mean (equal to gguf's `dequantize`)."""
+        return dequantize(self.raw, self.qtype)
+
+
+def _reordered_columns(name: str, cfg: dict[str, Any]) -> bool:
+    """Whether undoing the converter permutes this tensor's columns (Qwen3.5's GDN out projection)."""
+    return (name.endswith("linear_attn.out_proj.weight") and cfg["gguf_architecture"] in ("qwen35", "qwen35moe")
+            and cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"])
+
+
+def blocks_keep_transform(name: str, cfg: dict[str, Any], qtype: str) -> bool:
+    """Whether the converter's transform of `name` can be undone on `qtype` blocks: rows move whole;
+    columns only in whole blocks (a value head a multiple of the block)."""
+    return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % TYPES[qtype].block == 0
+
+
+def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
+    """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
+    rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
     if name.endswith("A_log"):
         t = torch.log(-t.float())
     if cfg["gguf_architecture"] == "mamba2":  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
@@ -108,7 +136,8 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Te
     if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
         return _tiled_to_grouped(t, 0, k_heads, per_k, 1)
     if name.endswith("out_proj.weight"):
-        return _tiled_to_grouped(t, 1, k_heads, per_k, dv)
+        width = dv if qtype is None else dv // TYPES[qtype].block * TYPES[qtype].nbytes  # a head's bytes
+        return _tiled_to_grouped(t, 1, k_heads, per_k, width)
     return t
 
 
@@ -145,30 +174,50 @@ def is_quantized(tensor) -> bool:
     return tensor.tensor_type.name not in _RAW
 
 
-def matrix_dtype(path) -> torch.dtype:
-    """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32."""
+def matrix_dtype(path, kept: frozenset[str] = frozenset()) -> torch.dtype:
+    """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32;
+    the matrices named in `kept` (held as blocks) do not count."""
     sizes = {"bf16": 0, "fp32": 0}
     for t in open_reader(path).tensors:
-        if len(t.shape) >= 2:
+        if len(t.shape) >= 2 and t.name not in kept:
             sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
     return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
 
 
-def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of each tensor of the GGUF file at `path`; an unknown name is one KvstateError."""
+def tensor_types(path, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
+    """(GGUF name, checkpoint name, GGML type name, shape) of each tensor, from the headers alone
+    (expert tensors keep their `{e}` pattern); an unknown name is one KvstateError."""
+    path = Path(path).resolve()
+    for t in open_reader(path).tensors:
+        name = hf_name(t.name, cfg["gguf_architecture"])
+        if name is None:
+            raise KvstateError(f"{path}: tensor {t.name!r} is not part of a {cfg['gguf_architecture']} model")
+        yield t.name, name, t.tensor_type.name, _shape(t)
+
+
+def _raw_rows(tensor) -> torch.Tensor:
+    """A 2-D quantized tensor's bytes as uint8 [rows, bytes per row] (gguf hands them so shaped)."""
+    data = np.asarray(tensor.data)
+    return torch.from_numpy(data.reshape(data.shape[0], -1).copy())
+
+
+def hf_tensors(path, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) of each tensor of the GGUF file at `path`: a `Blocks` for those named in
+    `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
     path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
     reader = open_reader(path)
-    quantized = sorted({t.tensor_type.name for t in reader.tensors if is_quantized(t)})
     for t in reader.tensors:  # before any work: a type nothing reads fails the load at once
         if is_quantized(t) and not _dequantizable(t.tensor_type):
             raise KvstateError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate cannot "
                                f"read (supported: F32, F16, BF16 and the types gguf dequantizes)")
-    if quantized:
-        print(f"{path}: {', '.join(quantized)} tensors dequantized to bf16 at load", file=sys.stderr)
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:
             raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
+        if tensor.name in blocks:
+            qtype = tensor.tensor_type.name
+            yield name, Blocks(undo_transforms(name, _raw_rows(tensor), cfg, qtype), qtype)
+            continue
         data = undo_transforms(name, to_torch(tensor, path), cfg)
         if "{e}" in name:
             for e in range(data.shape[0]):

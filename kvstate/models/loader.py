@@ -11,6 +11,7 @@ matrices are stored in `weight_dtype`: by default bf16 when the checkpoint's mat
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -25,11 +26,12 @@ from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.gguf import is_gguf
 from kvstate.gguf.checkpoint import gguf_file
-from kvstate.gguf.weights import hf_tensors, matrix_dtype
+from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
 from kvstate.kernels.quant import quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
+from kvstate.models.gguf_blocks import BlockPlan, dequantized_line, finish_blocks, plan_blocks, to_meta_blocks
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -76,10 +78,11 @@ def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     return None if canonical is None else getattr(torch, canonical)
 
 
-def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
-    """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32."""
+def checkpoint_weight_dtype(files: list[Path], kept: frozenset[str] = frozenset()) -> torch.dtype:
+    """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32
+    (a GGUF file's matrices named in `kept`, held as blocks, do not count)."""
     if is_gguf(files[0]):
-        return matrix_dtype(files[0])
+        return matrix_dtype(files[0], kept)
     sizes = {"BF16": 0, "other": 0}
     for file in files:
         try:
@@ -127,7 +130,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`.
     "int8" loads the checkpoint's dtype, then stores the projections as int8 with per-row scales
     (`kernels.quant`; embeddings and experts stay as loaded); "q8_0", "q4_0", "q4_k" as GGML's
-    blocks (`kernels.blocks`) the same way."""
+    blocks (`kernels.blocks`) the same way. A GGUF file's quantized projections keep the file's
+    blocks (`models.gguf_blocks`) unless `weight_dtype` names a float dtype or `dtype` is not float32."""
     path, plan, family, opts, files = open_checkpoint(path)
     wanted = weight_dtype_of(weight_dtype)
     quantize = wanted in (torch.int8, torch.uint8)
@@ -136,8 +140,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                            "(the kernels' math)")
     model = build_model(plan, opts, device="meta", mtp=bool(plan.mtp) and has_mtp_weights(files))
     model.to(dtype)  # on meta: nothing is allocated yet
+    blocks = BlockPlan()
+    targets_of = lambda key: family.weight_targets(key, plan)  # noqa: E731
+    if is_gguf(files[0]):
+        keep = dtype == torch.float32 and (wanted is None or quantize)  # a float dtype asked for: dequantize
+        blocks = plan_blocks(model, files[0], plan.config, targets_of, keep)
     if dtype == torch.float32:
-        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files))
+        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files, blocks.kept))
+    to_meta_blocks(model, blocks)
     model.to_empty(device="cpu")
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
         model.lm_head.weight = model.embed_tokens.weight
@@ -147,14 +157,16 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     total, done = sum(f.stat().st_size for f in files), 0
     for file in files:
-        for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type,
-                                             plan.config):
-            layout[key] = tuple(tensor.shape)
+        for key, targets, tensor in _tensors(file, targets_of, plan.model_type, plan.config, blocks.blocks):
+            raw = tensor.raw if isinstance(tensor, Blocks) else tensor
+            layout[key] = tuple(raw.shape)
             if progress is not None:
-                done += tensor.numel() * tensor.element_size()
+                done += raw.numel() * raw.element_size()
                 progress(min(done, total), total)
             for t in targets:
-                copy_weight(params, filled, t, tensor, key, file.name, plan)
+                as_blocks = isinstance(tensor, Blocks) and params[t.name].dtype == torch.uint8
+                source = tensor if not isinstance(tensor, Blocks) else raw if as_blocks else tensor.dequantized()
+                copy_weight(params, filled, t, source, key, file.name, plan)
     if progress is not None:
         progress(total, total)
     if plan.tie_word_embeddings:
@@ -164,6 +176,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
         raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
+    finish_blocks(model, blocks)
+    if line := dequantized_line(files[0].resolve(), blocks, model.embed_tokens.weight.dtype):
+        print(line, file=sys.stderr)
     if quantize:
         quantize_linears(model, canonical_weight_dtype(weight_dtype))
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
@@ -174,11 +189,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return model, plan
 
 
-def _tensors(file: Path, targets_of, model_type: str, config: dict):
-    """(name, targets, tensor) of each checkpoint tensor that has targets in our model; a file that is not
-    valid safetensors (truncated, garbage) is one KvstateError naming it."""
+def _tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str] = frozenset()):
+    """(name, targets, tensor) of each checkpoint tensor that has targets in our model (a GGUF file's
+    tensors named in `blocks`: `Blocks`); a file that is not valid safetensors (truncated, garbage) is
+    one KvstateError naming it."""
     if is_gguf(file):
-        yield from _gguf_tensors(file, targets_of, model_type, config)
+        yield from _gguf_tensors(file, targets_of, model_type, config, blocks)
         return
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -194,8 +210,8 @@ def _tensors(file: Path, targets_of, model_type: str, config: dict):
         raise KvstateError(f"{file}: not a valid safetensors file ({str(exc).splitlines()[0][:120]})") from None
 
 
-def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict):
-    for key, tensor in hf_tensors(file, config):
+def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str]):
+    for key, tensor in hf_tensors(file, config, blocks):
         targets = targets_of(key)
         if targets is None:
             raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")

@@ -18,10 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0])
-def test_quantized_file_gives_the_dequantized_models_logits(converted, tmp_path, qtype):
-    quant = rewrite(converted["f32"], tmp_path / f"{qtype.name}.gguf", qtype=qtype)
-    ref = rewrite(converted["f32"], tmp_path / "ref.gguf", qtype=qtype, dequantized=True)
+BLOCK_TYPES = [GGMLQuantizationType[q] for q in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")]
+
+
+def _block_bytes(model) -> dict[str, int]:
+    return {name: m.weight.nbytes for name, m in model.named_modules() if getattr(m, "weight_format", None)}
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_quantized_file_keeps_its_blocks_and_gives_the_dequantized_models_logits(converted, tmp_path, qtype):
+    from gguf import GGUFReader
+
+    quant = rewrite(converted["f32"], tmp_path / f"{qtype.name}.gguf", qtype=qtype, keep={"token_embd.weight"})
+    ref = rewrite(converted["f32"], tmp_path / "ref.gguf", qtype=qtype, keep={"token_embd.weight"},
+                  dequantized=True, rounded=())
     model, _ = load_model(quant)
     want_model, _ = load_model(ref)
     plain, _ = load_model(converted["f32"])
@@ -29,6 +39,21 @@ def test_quantized_file_gives_the_dequantized_models_logits(converted, tmp_path,
                                forward_logits(plain, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5
         assert float((got - orig).norm() / orig.norm()) > 1e-4  # the quantization did change the weights
+    # every quantized matrix is held as the file's blocks: its bytes, not a float copy
+    in_file = {t.name: int(t.n_bytes) for t in GGUFReader(str(quant)).tensors if t.tensor_type == qtype}
+    held = _block_bytes(model)
+    assert len(held) == len(in_file) > 0 and sum(held.values()) == sum(in_file.values())
+    assert {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)} == {qtype.name}
+
+
+def test_blocks_kept_need_float32_activations_or_are_dequantized(converted, tmp_path, capsys):
+    quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
+    model, _ = load_model(quant, weight_dtype="bf16")  # a float dtype asked for: every tensor dequantized
+    assert not _block_bytes(model)
+    assert "Q8_0 tensor(s) dequantized to bfloat16 at load" in capsys.readouterr().err
+    model, _ = load_model(quant)  # the embedding table is read as a tensor: dequantized, and said so
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1 Q8_0 tensor(s) dequantized" in err and "keep their blocks (Q8_0)" in err
 
 
 def test_memory_reads_a_gguf_without_torch(converted):
@@ -119,10 +144,15 @@ def test_llama_quantize_q4_k_m_file_gives_the_dequantized_models_logits(converte
     if not LLAMA_QUANTIZE.is_file():
         pytest.skip(f"no llama-quantize at {LLAMA_QUANTIZE}")
     quant = quantize(LLAMA_QUANTIZE, converted["bf16"], "q4_k_m", tmp_path / "q4_k_m.gguf", threads=1)
-    kinds = {t.tensor_type.name for t in GGUFReader(str(quant)).tensors}
+    tensors = GGUFReader(str(quant)).tensors
+    kinds = {t.tensor_type.name for t in tensors}
     assert {"Q4_K", "Q6_K"} <= kinds, kinds
-    ref = rewrite(quant, tmp_path / "ref.gguf", dequantized=True)
     model, _ = load_model(quant)
+    blocks = {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)}
+    assert {"Q4_K", "Q6_K"} <= blocks, blocks
+    # what the loader dequantizes rather than keeps (the embedding table, other types) is rounded to bf16
+    rounded = {t.name for t in tensors if t.name == "token_embd.weight" or t.tensor_type.name not in blocks}
+    ref = rewrite(quant, tmp_path / "ref.gguf", dequantized=True, rounded=rounded)
     want_model, _ = load_model(ref)
     for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5

@@ -102,7 +102,7 @@ def test_q8_0_on_the_command_line(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_dtype"] == "q8_0"
-    assert 0 < out["q8_0_logit_error"]["rel"] < 0.1 and out["q8_0_logit_error"]["positions"] == 6
+    assert 0 < out["quant_logit_error"]["rel"] < 0.1 and out["quant_logit_error"]["positions"] == 6
     with pytest.raises(SystemExit) as exit_:  # argparse's one line, exit code 2
         main(["generate", "hi", "--weight-dtype", "q3_k"])
     assert exit_.value.code == 2
