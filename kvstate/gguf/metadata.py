@@ -118,9 +118,35 @@ def architecture(reader) -> str:
     return arch
 
 
+def _readable(qtype) -> bool:
+    """Whether kvstate reads tensors of `qtype`: a float type, or one gguf dequantizes (tried on one zero block)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if qtype.name in ("F32", "F16", "BF16"):
+        return True
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except (NotImplementedError, KeyError):
+        return False
+    return True
+
+
+def check_tensor_types(reader) -> None:
+    """One KvstateError for the first tensor of a type kvstate cannot read (from the headers alone)."""
+    verdicts: dict = {}
+    for t in reader.tensors:
+        if verdicts.setdefault(t.tensor_type, _readable(t.tensor_type)) is False:
+            raise KvstateError(f"{reader.source}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate "
+                               f"cannot read (supported: F32, F16, BF16 and the types gguf dequantizes)")
+
+
 def config_of(reader) -> dict[str, Any]:
-    """The HF config dict of an open reader."""
+    """The HF config dict of an open reader (its tensor types checked: a file kvstate cannot run is refused
+    before any plan is made of it)."""
     arch = architecture(reader)
+    check_tensor_types(reader)
     cfg = ARCHITECTURES[arch](reader, arch)
     cfg["vocab_size"] = vocab_size(reader)
     cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem

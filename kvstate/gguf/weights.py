@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvstate.errors import KvstateError
-from kvstate.gguf.metadata import open_reader
+from kvstate.gguf.metadata import check_tensor_types, open_reader
 from kvstate.kernels.ggml_blocks import TYPES, dequantize
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -154,18 +154,6 @@ def to_torch(tensor, path) -> torch.Tensor:
     return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
 
 
-def _dequantizable(qtype) -> bool:
-    """Whether gguf has a dequantizer for `qtype` (tried on one zero block)."""
-    from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
-
-    try:
-        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
-
-
 def _shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the innermost dimension first
 
@@ -206,10 +194,7 @@ def hf_tensors(path, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) 
     `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
     path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
     reader = open_reader(path)
-    for t in reader.tensors:  # before any work: a type nothing reads fails the load at once
-        if is_quantized(t) and not _dequantizable(t.tensor_type):
-            raise KvstateError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate cannot "
-                               f"read (supported: F32, F16, BF16 and the types gguf dequantizes)")
+    check_tensor_types(reader)  # before any work: a type nothing reads fails the load at once
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:

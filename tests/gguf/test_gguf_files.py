@@ -156,3 +156,27 @@ def test_llama_quantize_q4_k_m_file_gives_the_dequantized_models_logits(converte
     want_model, _ = load_model(ref)
     for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize("command", ["memory", "generate"])
+def test_every_bad_file_is_one_line_from_memory_and_generate(converted, tmp_path, capsys, command):
+    """(`memory` reads the headers only: a missing tensor is found when the weights load, as for safetensors.)"""
+    src = converted["f32"]
+    data = src.read_bytes()
+    cut = tmp_path / "cut-data.gguf"
+    cut.write_bytes(data[:len(data) - 4096])  # the header whole, the last tensor's bytes cut
+    bad = {
+        "not a readable GGUF file": cut,
+        "GGUF architecture 'llama' is not supported": rewrite(src, tmp_path / "llama.gguf", arch="llama"),
+        "'blk.0.ffn_up.weight' has type I32": rewrite(src, tmp_path / "i32.gguf",
+                                                      retype={"blk.0.ffn_up.weight": np.int32}),
+        "checkpoint is missing tensors for layers.2": rewrite(src, tmp_path / "short.gguf",
+                                                              drop={"blk.2.ffn_up.weight"}),
+    }
+    for needle, path in bad.items():
+        if command == "memory" and "missing" in needle:
+            assert main(["memory", str(path)]) == 0
+            capsys.readouterr()
+            continue
+        argv = ["memory", str(path)] if command == "memory" else ["generate", "--model", str(path), "hi"]
+        _one_line(capsys, argv, needle)
