@@ -30,6 +30,7 @@ from kvstate.gguf.metadata import check_tensor_types, open_reader
 from kvstate.kernels.ggml_blocks import TYPES, dequantize
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DEQUANT_ROWS = 4096
 
 # blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
 _LAYER = {
@@ -149,9 +150,16 @@ def to_torch(tensor, path) -> torch.Tensor:
         if kind == "BF16":  # gguf hands BF16 as raw uint8/uint16; reinterpret the bytes
             return torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(_shape(tensor))
         return torch.from_numpy(data.copy()).reshape(_shape(tensor))
-    from gguf.quants import dequantize
+    if kind in TYPES:  # a few thousand rows at a time: no fp32 copy of a whole embedding table
+        rows = np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])
+        out = torch.empty(rows.shape[0], rows.shape[1] // TYPES[kind].nbytes * TYPES[kind].block, dtype=torch.bfloat16)
+        for start in range(0, rows.shape[0], DEQUANT_ROWS):
+            part = torch.from_numpy(rows[start:start + DEQUANT_ROWS].copy())
+            out[start:start + DEQUANT_ROWS] = dequantize(part, kind)
+        return out.reshape(_shape(tensor))
+    from gguf.quants import dequantize as gguf_dequantize
 
-    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
+    return torch.from_numpy(gguf_dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -162,24 +170,30 @@ def is_quantized(tensor) -> bool:
     return tensor.tensor_type.name not in _RAW
 
 
-def matrix_dtype(path, kept: frozenset[str] = frozenset()) -> torch.dtype:
+def reader_of(source):
+    """An open reader for `source`, a GGUF file's path or a reader already open (opening one parses every
+    metadata field: seconds for a 248k-token vocabulary, so a load opens the file once)."""
+    return source if hasattr(source, "tensors") else open_reader(Path(source).resolve())
+
+
+def matrix_dtype(source, kept: frozenset[str] = frozenset()) -> torch.dtype:
     """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32;
-    the matrices named in `kept` (held as blocks) do not count."""
+    the matrices named in `kept` (held as blocks) do not count. `source`: a path or an open reader."""
     sizes = {"bf16": 0, "fp32": 0}
-    for t in open_reader(path).tensors:
+    for t in reader_of(source).tensors:
         if len(t.shape) >= 2 and t.name not in kept:
             sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
     return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
 
 
-def tensor_types(path, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
+def tensor_types(source, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
     """(GGUF name, checkpoint name, GGML type name, shape) of each tensor, from the headers alone
     (expert tensors keep their `{e}` pattern); an unknown name is one KvstateError."""
-    path = Path(path).resolve()
-    for t in open_reader(path).tensors:
+    reader = reader_of(source)
+    for t in reader.tensors:
         name = hf_name(t.name, cfg["gguf_architecture"])
         if name is None:
-            raise KvstateError(f"{path}: tensor {t.name!r} is not part of a {cfg['gguf_architecture']} model")
+            raise KvstateError(f"{reader.source}: tensor {t.name!r} is not part of a {cfg['gguf_architecture']} model")
         yield t.name, name, t.tensor_type.name, _shape(t)
 
 
@@ -189,11 +203,11 @@ def _raw_rows(tensor) -> torch.Tensor:
     return torch.from_numpy(data.reshape(data.shape[0], -1).copy())
 
 
-def hf_tensors(path, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """(checkpoint name, tensor) of each tensor of the GGUF file at `path`: a `Blocks` for those named in
-    `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
-    path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
-    reader = open_reader(path)
+def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) of each tensor of the GGUF file `source` (a path or an open reader): a
+    `Blocks` for those named in `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
+    reader = reader_of(source)
+    path = reader.source
     check_tensor_types(reader)  # before any work: a type nothing reads fails the load at once
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])

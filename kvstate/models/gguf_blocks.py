@@ -38,14 +38,14 @@ class BlockPlan:
     dequantized: Counter = field(default_factory=Counter)  # GGML type -> quantized tensors dequantized
 
 
-def plan_blocks(model: nn.Module, file, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
-    """The projections of `model` (on meta) that hold the GGUF `file`'s blocks as they are (none
-    without `keep`: every quantized tensor is then dequantized)."""
+def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
+    """The projections of `model` (on meta) that hold the blocks of the GGUF file open in `reader` as they
+    are (none without `keep`: every quantized tensor is then dequantized)."""
     ids = eligible_linears(model)
     eligible = {name: m for name, m in model.named_modules() if id(m) in ids}
     sources: dict[str, set[str | None]] = {}  # our parameter -> the block types filling it (None: any other)
     quantized: dict[str, tuple[str, list[str]]] = {}  # GGUF name -> (type, our parameters it fills)
-    for gguf_name, name, qtype, shape in tensor_types(file, cfg):
+    for gguf_name, name, qtype, shape in tensor_types(reader, cfg):
         whole = keep and len(shape) == 2 and qtype in SUPPORTED and blocks_keep_transform(name, cfg, qtype)
         params = []
         for target in ([] if "{e}" in name else targets_of(name) or []):

@@ -26,6 +26,7 @@ from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.gguf import is_gguf
 from kvstate.gguf.checkpoint import gguf_file
+from kvstate.gguf.metadata import open_reader
 from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
@@ -78,10 +79,11 @@ def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     return None if canonical is None else getattr(torch, canonical)
 
 
-def checkpoint_weight_dtype(files: list[Path], kept: frozenset[str] = frozenset()) -> torch.dtype:
+def checkpoint_weight_dtype(files: list, kept: frozenset[str] = frozenset()) -> torch.dtype:
     """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32
-    (a GGUF file's matrices named in `kept`, held as blocks, do not count)."""
-    if is_gguf(files[0]):
+    (`files`: safetensors files, or one GGUF file or its open reader, whose matrices named in `kept`,
+    held as blocks, do not count)."""
+    if hasattr(files[0], "tensors") or is_gguf(files[0]):
         return matrix_dtype(files[0], kept)
     sizes = {"BF16": 0, "other": 0}
     for file in files:
@@ -142,11 +144,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     model.to(dtype)  # on meta: nothing is allocated yet
     blocks = BlockPlan()
     targets_of = lambda key: family.weight_targets(key, plan)  # noqa: E731
+    sources = files  # a GGUF file is opened once (reading its metadata takes seconds)
     if is_gguf(files[0]):
+        sources = [open_reader(files[0].resolve())]
         keep = dtype == torch.float32 and (wanted is None or quantize)  # a float dtype asked for: dequantize
-        blocks = plan_blocks(model, files[0], plan.config, targets_of, keep)
+        blocks = plan_blocks(model, sources[0], plan.config, targets_of, keep)
     if dtype == torch.float32:
-        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files, blocks.kept))
+        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(sources, blocks.kept))
     to_meta_blocks(model, blocks)
     model.to_empty(device="cpu")
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
@@ -156,8 +160,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     filled = {name: 0 for name in params}
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     total, done = sum(f.stat().st_size for f in files), 0
-    for file in files:
-        for key, targets, tensor in _tensors(file, targets_of, plan.model_type, plan.config, blocks.blocks):
+    for file, source in zip(files, sources):
+        for key, targets, tensor in _tensors(file, targets_of, plan.model_type, plan.config, blocks.blocks, source):
             raw = tensor.raw if isinstance(tensor, Blocks) else tensor
             layout[key] = tuple(raw.shape)
             if progress is not None:
@@ -189,12 +193,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return model, plan
 
 
-def _tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str] = frozenset()):
-    """(name, targets, tensor) of each checkpoint tensor that has targets in our model (a GGUF file's
-    tensors named in `blocks`: `Blocks`); a file that is not valid safetensors (truncated, garbage) is
-    one KvstateError naming it."""
+def _tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str] = frozenset(),
+             source=None):
+    """(name, targets, tensor) of each checkpoint tensor that has targets in our model (a GGUF file's,
+    read from `source`, its open reader: those named in `blocks` as `Blocks`); a file that is not valid
+    safetensors (truncated, garbage) is one KvstateError naming it."""
     if is_gguf(file):
-        yield from _gguf_tensors(file, targets_of, model_type, config, blocks)
+        yield from _gguf_tensors(file, targets_of, model_type, config, blocks, source or file)
         return
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -210,8 +215,8 @@ def _tensors(file: Path, targets_of, model_type: str, config: dict, blocks: froz
         raise KvstateError(f"{file}: not a valid safetensors file ({str(exc).splitlines()[0][:120]})") from None
 
 
-def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str]):
-    for key, tensor in hf_tensors(file, config, blocks):
+def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str], source):
+    for key, tensor in hf_tensors(source, config, blocks):
         targets = targets_of(key)
         if targets is None:
             raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")
