@@ -51,3 +51,52 @@ def _compare(ours: torch.Tensor, truth: torch.Tensor, positions: int) -> dict:
     return dict(rel=float((ours - truth).norm() / truth.norm()), max_rel=float(per_pos.max()),
                 top1=float((ours.argmax(-1) == truth.argmax(-1)).double().mean()), kl=float(kl.mean()),
                 max_kl=float(kl.max()), positions=positions)
+
+
+def first_token_agreement(model, ref, vocab: int, *, prompts: int = 100, length: int = 16, seed: int = 0,
+                          group: int = 8) -> dict:
+    """How often the first greedy token of `model` equals `ref`'s on `prompts` random prompts of `length`
+    tokens (uniform over `vocab`, seeded) -> {"agree": fraction, "prompts", "length", "margin": the median
+    gap between `ref`'s two most likely logits (small gaps are what a quantization can flip)}."""
+    from kvstate.models.generate import forward_logits
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, vocab, (prompts, length), generator=g).tolist()
+    same, margins = 0, []
+    with torch.no_grad():
+        for start in range(0, prompts, group):
+            part = seqs[start:start + group]
+            ours = torch.stack([lg[-1] for lg in forward_logits(model, part)])  # [group, vocab]
+            truth = torch.stack([lg[-1] for lg in forward_logits(ref, part)])
+            same += int((ours.argmax(-1) == truth.argmax(-1)).sum())
+            top2 = truth.topk(2, dim=-1).values
+            margins += (top2[:, 0] - top2[:, 1]).tolist()
+    return dict(agree=same / prompts, prompts=prompts, length=length, margin=float(torch.tensor(margins).median()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvstate.bench.quant_error --model Q --baseline B`: the first-token agreement of a quantized
+    model (a quantized GGUF file, or --model with --weight-dtype) with its baseline in fp32."""
+    import argparse
+    import json
+
+    from kvstate.models.loader import load_model
+
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.quant_error", description=main.__doc__)
+    parser.add_argument("--model", required=True, help="the quantized model (a GGUF file, or a checkpoint "
+                                                       "quantized by --weight-dtype)")
+    parser.add_argument("--baseline", default=None, help="the unquantized model, loaded in fp32 (default: --model)")
+    parser.add_argument("--weight-dtype", default=None, help="quantize --model at load (q8_0, q4_0, q4_k, int8)")
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--length", type=int, default=16)
+    args = parser.parse_args(argv)
+    model, plan = load_model(args.model, weight_dtype=args.weight_dtype)
+    ref, _ = load_model(args.baseline or args.model, weight_dtype="float32")
+    out = first_token_agreement(model, ref, plan.vocab_size, prompts=args.prompts, length=args.length)
+    print(json.dumps(dict(out, model=str(args.model), baseline=str(args.baseline or args.model),
+                          weight_dtype=args.weight_dtype)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
