@@ -66,8 +66,15 @@ _MAMBA2_LAYER = {
 }
 _MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "backbone.norm_f.weight"}
+# Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
+_NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
+    ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
+    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in ("weight", "bias")}}
 # architecture -> (global names, per-layer names, layer prefix)
-_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers")}
+_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers"),
+          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers"),
+          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers")}
+_MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe")
 _QWEN = (_GLOBAL, _LAYER, "model.layers")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -116,12 +123,21 @@ def blocks_keep_transform(name: str, cfg: dict[str, Any], qtype: str) -> bool:
     return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % TYPES[qtype].block == 0
 
 
+def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of the converter's `LlamaModel.permute` (rows of each head from halves to interleaved pairs),
+    which Nemotron-H's q and k get although its attention has no rotary embedding."""
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
 def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
     rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    if cfg["gguf_architecture"] == "mamba2":  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+    if cfg["gguf_architecture"] in _MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+            return _unpermute(t, heads)
         return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1

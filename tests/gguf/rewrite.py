@@ -15,10 +15,11 @@ _SCALES = {"Q8_0": ((0,), 1e-3), "Q4_0": ((0,), 1e-2), "Q4_K": ((0, 2), 1e-4), "
 
 
 def quantizable(tensor, qtype: GGMLQuantizationType | None = None) -> bool:
-    """The projection and embedding matrices (what llama-quantize quantizes; not the conv kernels), rows
-    a multiple of the block."""
+    """The projection and embedding matrices (what llama-quantize quantizes; not the conv kernels or a
+    2-D norm such as Mamba-2's grouped one), rows a multiple of the block."""
     block = GGML_QUANT_SIZES[qtype][0] if qtype is not None else 32
-    return len(tensor.shape) == 2 and "conv1d" not in tensor.name and int(tensor.shape[0]) % block == 0
+    return (len(tensor.shape) == 2 and "conv1d" not in tensor.name and "norm" not in tensor.name
+            and int(tensor.shape[0]) % block == 0)
 
 
 def random_blocks(name: str, shape, qtype: GGMLQuantizationType) -> np.ndarray:

@@ -46,6 +46,19 @@ def test_quantized_file_keeps_its_blocks_and_gives_the_dequantized_models_logits
     assert {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)} == {qtype.name}
 
 
+def test_nemotron_h_q8_0_file_keeps_blocks_through_the_q_k_permutation(converted, tmp_path):
+    """The converter permutes Nemotron-H's q and k rows (for a RoPE it does not have): undone on whole block rows."""
+    qtype = GGMLQuantizationType.Q8_0
+    quant = rewrite(converted["nemotron_h"], tmp_path / "nh-q8.gguf", qtype=qtype, keep={"token_embd.weight"})
+    ref = rewrite(converted["nemotron_h"], tmp_path / "nh-ref.gguf", qtype=qtype, keep={"token_embd.weight"},
+                  dequantized=True, rounded=())
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    assert model.layers[1].mixer.q_proj.weight_format == "Q8_0"
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
 def test_blocks_kept_need_float32_activations_or_are_dequantized(converted, tmp_path, capsys):
     quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
     model, _ = load_model(quant, weight_dtype="bf16")  # a float dtype asked for: every tensor dequantized
