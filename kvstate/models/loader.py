@@ -30,7 +30,8 @@ from kvstate.gguf.metadata import open_reader
 from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
-from kvstate.kernels.quant import quantize_linears
+from kvstate.kernels.ggml_blocks import TYPES
+from kvstate.kernels.quant import eligible_linears, quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 from kvstate.models.gguf_blocks import BlockPlan, dequantized_line, finish_blocks, plan_blocks, to_meta_blocks
 
@@ -184,7 +185,12 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if line := dequantized_line(files[0].resolve(), blocks, model.embed_tokens.weight.dtype):
         print(line, file=sys.stderr)
     if quantize:
-        quantize_linears(model, canonical_weight_dtype(weight_dtype))
+        name = canonical_weight_dtype(weight_dtype)
+        eligible = len(eligible_linears(model))
+        if (done := quantize_linears(model, name)) < eligible and name != "int8":  # rows not a multiple of the block
+            print(f"{path}: --weight-dtype {name} quantized {done} of {eligible} projections (the rest have rows "
+                  f"that are not a multiple of its {TYPES[name.upper()].block}-weight block and keep "
+                  f"{str(model.lm_head.weight.dtype).removeprefix('torch.')})", file=sys.stderr)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
     place_weights(model)  # the streamed matrices on huge pages (faster decode), where the OS has them
     model.eval()
