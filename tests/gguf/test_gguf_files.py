@@ -193,3 +193,19 @@ def test_every_bad_file_is_one_line_from_memory_and_generate(converted, tmp_path
             continue
         argv = ["memory", str(path)] if command == "memory" else ["generate", "--model", str(path), "hi"]
         _one_line(capsys, argv, needle)
+
+
+def test_bench_engine_holds_a_quantized_file_against_its_baseline(converted, tmp_path, capsys):
+    import json
+
+    quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
+    argv = ["bench", "engine", "--model", str(quant), "--batches", "1", "--prompt-len", "6", "--new-tokens", "2",
+            "--prefill-len", "8", "--threads", "1", "--json"]
+    assert main(argv + ["--quant-baseline", str(converted["ckpt-f32"])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    q = out["quant_logit_error"]
+    assert out["weight_dtype"] == "Q8_0" and q["positions"] == 6 and q["baseline"] == "ckpt-f32 in fp32"
+    assert 0 < q["kl"] < 0.05 and 0 < q["rel"] < 0.1 and 0 <= q["top1"] <= 1
+    assert main(argv) == 0  # no baseline: said, not guessed
+    out = json.loads(capsys.readouterr().out)
+    assert out["quant_logit_error"] is None and "--quant-baseline" in out["quant_baseline_missing"]
