@@ -27,6 +27,7 @@ from kvstate.families import adapter
 from kvstate.gguf import is_gguf
 from kvstate.gguf.checkpoint import gguf_file
 from kvstate.gguf.metadata import open_reader
+from kvstate.gguf.tensors import open_tensors
 from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
@@ -147,7 +148,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     targets_of = lambda key: family.weight_targets(key, plan)  # noqa: E731
     sources = files  # a GGUF file is opened once (reading its metadata takes seconds)
     if is_gguf(files[0]):
-        sources = [open_reader(files[0].resolve())]
+        sources = [_gguf_tensor_source(files[0])]
         keep = dtype == torch.float32 and (wanted is None or quantize)  # a float dtype asked for: dequantize
         blocks = plan_blocks(model, sources[0], plan.config, targets_of, keep)
     if dtype == torch.float32:
@@ -228,6 +229,16 @@ def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict, blocks:
             raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")
         if targets:
             yield key, targets, tensor
+
+
+def _gguf_tensor_source(link: Path):
+    """The tensors of the GGUF file a checkpoint folder links to: its folder's table (no metadata parse),
+    else the file opened with gguf's reader."""
+    try:
+        table = open_tensors(link)
+    except (OSError, ValueError) as exc:
+        raise KvstateError(f"{link.resolve()}: not a readable GGUF file ({str(exc)[:120]})") from None
+    return table if table is not None else open_reader(link.resolve())
 
 
 def _config_hint(plan, expected: tuple[int, ...], got: tuple[int, ...]) -> str:

@@ -63,3 +63,22 @@ def test_llm_takes_a_gguf_and_chats_like_the_checkpoint(converted):
     assert ours.tokenizer.apply_chat_template(messages) == theirs.tokenizer.apply_chat_template(messages)
     got, want = ours.generate(["def f(x):"], params)[0], theirs.generate(["def f(x):"], params)[0]
     assert got.token_ids == want.token_ids and got.text == want.text
+
+
+def test_the_folders_tensor_table_reads_as_gguf_reads_the_file(converted, tmp_path):
+    """The loader reads tensors through the folder's table (no metadata parse): the same tensors, bytes and
+    views as gguf's reader, and a quantized file loads the same through either."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from kvstate.gguf.tensors import open_tensors
+    from tests.gguf.rewrite import rewrite
+
+    quant = rewrite(converted["bf16"], tmp_path / "q4_0.gguf", qtype=GGMLQuantizationType.Q4_0)
+    for path in (converted["f32"], converted["bf16"], quant):
+        table = open_tensors(resolve_checkpoint(path) / "model.gguf")
+        theirs = GGUFReader(str(path)).tensors
+        assert [t.name for t in table.tensors] == [t.name for t in theirs]
+        for ours, t in zip(table.tensors, theirs):
+            assert ours.tensor_type == t.tensor_type and ours.data.shape == t.data.shape
+            assert ours.data.dtype == t.data.dtype and np.array_equal(ours.data, t.data), t.name
