@@ -54,12 +54,15 @@ def _compare(ours: torch.Tensor, truth: torch.Tensor, positions: int) -> dict:
 
 
 def first_token_agreement(model, ref, vocab: int, *, prompts: int = 100, length: int = 16, seed: int = 0,
-                          group: int = 8) -> dict:
+                          group: int | None = None) -> dict:
     """How often the first greedy token of `model` equals `ref`'s on `prompts` random prompts of `length`
     tokens (uniform over `vocab`, seeded) -> {"agree": fraction, "prompts", "length", "margin": the median
     gap between `ref`'s two most likely logits (small gaps are what a quantization can flip)}."""
     from kvstate.models.generate import forward_logits
 
+    from kvstate.kernels.blocks import MAX_ROWS
+
+    group = group or max(1, MAX_ROWS // length)  # rows the compiled block kernels take in one call
     g = torch.Generator().manual_seed(seed)
     seqs = torch.randint(0, vocab, (prompts, length), generator=g).tolist()
     same, margins = 0, []

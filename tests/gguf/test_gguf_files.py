@@ -209,3 +209,17 @@ def test_bench_engine_holds_a_quantized_file_against_its_baseline(converted, tmp
     assert main(argv) == 0  # no baseline: said, not guessed
     out = json.loads(capsys.readouterr().out)
     assert out["quant_logit_error"] is None and "--quant-baseline" in out["quant_baseline_missing"]
+
+
+def test_first_token_agreement_counts_prompts_whose_greedy_token_matches(converted):
+    import torch
+
+    from kvstate.bench.quant_error import first_token_agreement
+
+    model, plan = load_model(converted["f32"])
+    same = first_token_agreement(model, model, plan.vocab_size, prompts=6, length=5)
+    assert same == dict(agree=1.0, prompts=6, length=5, margin=same["margin"]) and same["margin"] > 0
+    other, _ = load_model(converted["f32"])
+    with torch.no_grad():  # another head: its greedy tokens are other tokens
+        other.lm_head.weight.copy_(torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
+    assert first_token_agreement(other, model, plan.vocab_size, prompts=6, length=5)["agree"] < 0.5
