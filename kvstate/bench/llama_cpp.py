@@ -159,14 +159,18 @@ def interleaved(binary: str, ggufs: list[str], *, threads: int, gen: int, decode
 
 def make_checkpoint(directory: str | Path, size: str = "0.5b") -> Path:
     """The bench's random Qwen3.5-style checkpoint in `directory` with a byte-level BPE tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from kvstate.bench.checkpoints import SIZES, qwen3_5_checkpoint
+    from kvstate.gguf.tokenizer import PRE_TOKENIZERS
 
     path, _ = qwen3_5_checkpoint(size, str(directory))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's split regex: the pre-tokenizer `convert` names ("qwen2"), so the GGUF files tokenize as this does
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=SIZES[size]["vocab_size"], special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

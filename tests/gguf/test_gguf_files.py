@@ -223,3 +223,21 @@ def test_first_token_agreement_counts_prompts_whose_greedy_token_matches(convert
     with torch.no_grad():  # another head: its greedy tokens are other tokens
         other.lm_head.weight.copy_(torch.randn(other.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)))
     assert first_token_agreement(other, model, plan.vocab_size, prompts=6, length=5)["agree"] < 0.5
+
+
+def test_the_bench_checkpoints_gguf_tokenizes_as_its_checkpoint(tmp_path):
+    """`make_checkpoint`'s tokenizer splits as the pre-tokenizer `convert` names ("qwen2"), so a GGUF of the
+    bench checkpoint scores the same tokens (`kvstate eval perplexity --kl-base` across the two)."""
+    from kvstate.bench.llama_cpp import convert, make_checkpoint
+    from kvstate.hub import resolve_checkpoint
+    from kvstate.models.tokenizer import Tokenizer
+    from tests.gguf.conftest import LLAMA_CPP
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP}")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "quick")
+    ours = Tokenizer(resolve_checkpoint(convert(LLAMA_CPP, ckpt, "f32", tmp_path / "quick.gguf")))
+    theirs = Tokenizer(ckpt)
+    text = (ROOT / "kvstate" / "data" / "eval" / "phonebook_chats.txt").read_text(encoding="utf-8")[:3000]
+    text += "\n  x = 12345  # élan 中文\n\n\tdone"
+    assert ours.encode(text) == theirs.encode(text)
