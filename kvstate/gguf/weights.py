@@ -27,7 +27,6 @@ import torch
 
 from kvstate.errors import KvstateError
 from kvstate.gguf.metadata import check_tensor_types, open_reader
-from kvstate.kernels.ggml_blocks import TYPES, dequantize
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANT_ROWS = 4096
@@ -101,14 +100,18 @@ def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_
 
 @dataclass
 class Blocks:
-    """A quantized matrix as the file's rows of blocks: raw uint8 [N, bytes per row] of `qtype`."""
+    """A quantized matrix as the file's rows of blocks: raw uint8 [N, bytes per row] of `qtype` (a GGML
+    type name; `kernels.ggml_blocks.dequantize` gives the weights they mean)."""
 
     raw: torch.Tensor
     qtype: str
 
-    def dequantized(self) -> torch.Tensor:
-        """float32 [N, K]: the weights the blocks mean (equal to gguf's `dequantize`)."""
-        return dequantize(self.raw, self.qtype)
+
+def _block(qtype: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of the GGML type named `qtype` (gguf's table)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
 
 
 def _reordered_columns(name: str, cfg: dict[str, Any]) -> bool:
@@ -120,7 +123,7 @@ def _reordered_columns(name: str, cfg: dict[str, Any]) -> bool:
 def blocks_keep_transform(name: str, cfg: dict[str, Any], qtype: str) -> bool:
     """Whether the converter's transform of `name` can be undone on `qtype` blocks: rows move whole;
     columns only in whole blocks (a value head a multiple of the block)."""
-    return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % TYPES[qtype].block == 0
+    return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % _block(qtype)[0] == 0
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -153,7 +156,7 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str 
     if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
         return _tiled_to_grouped(t, 0, k_heads, per_k, 1)
     if name.endswith("out_proj.weight"):
-        width = dv if qtype is None else dv // TYPES[qtype].block * TYPES[qtype].nbytes  # a head's bytes
+        width = dv if qtype is None else dv // _block(qtype)[0] * _block(qtype)[1]  # a head's bytes
         return _tiled_to_grouped(t, 1, k_heads, per_k, width)
     return t
 
@@ -166,16 +169,16 @@ def to_torch(tensor, path) -> torch.Tensor:
         if kind == "BF16":  # gguf hands BF16 as raw uint8/uint16; reinterpret the bytes
             return torch.from_numpy(data.copy()).view(torch.bfloat16).reshape(_shape(tensor))
         return torch.from_numpy(data.copy()).reshape(_shape(tensor))
-    if kind in TYPES:  # a few thousand rows at a time: no fp32 copy of a whole embedding table
-        rows = np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])
-        out = torch.empty(rows.shape[0], rows.shape[1] // TYPES[kind].nbytes * TYPES[kind].block, dtype=torch.bfloat16)
-        for start in range(0, rows.shape[0], DEQUANT_ROWS):
-            part = torch.from_numpy(rows[start:start + DEQUANT_ROWS].copy())
-            out[start:start + DEQUANT_ROWS] = dequantize(part, kind)
-        return out.reshape(_shape(tensor))
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import dequantize
 
-    return torch.from_numpy(gguf_dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
+    # a few thousand rows at a time: no fp32 copy of a whole embedding table
+    rows = np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])
+    block, nbytes = _block(kind)
+    out = torch.empty(rows.shape[0], rows.shape[1] // nbytes * block, dtype=torch.bfloat16)
+    for start in range(0, rows.shape[0], DEQUANT_ROWS):
+        out[start:start + DEQUANT_ROWS] = torch.from_numpy(dequantize(rows[start:start + DEQUANT_ROWS],
+                                                                      tensor.tensor_type))
+    return out.reshape(_shape(tensor))
 
 
 def _shape(tensor) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from kvstate.gguf.tensors import open_tensors
 from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
-from kvstate.kernels.ggml_blocks import TYPES
+from kvstate.kernels.ggml_blocks import TYPES, dequantize
 from kvstate.kernels.quant import eligible_linears, quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 from kvstate.models.gguf_blocks import BlockPlan, dequantized_line, finish_blocks, plan_blocks, to_meta_blocks
@@ -170,8 +170,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                 done += raw.numel() * raw.element_size()
                 progress(min(done, total), total)
             for t in targets:
-                as_blocks = isinstance(tensor, Blocks) and params[t.name].dtype == torch.uint8
-                source = tensor if not isinstance(tensor, Blocks) else raw if as_blocks else tensor.dequantized()
+                source = tensor
+                if isinstance(tensor, Blocks):  # a block Linear takes the rows; any other target their weights
+                    source = raw if params[t.name].dtype == torch.uint8 else dequantize(raw, tensor.qtype)
                 copy_weight(params, filled, t, source, key, file.name, plan)
     if progress is not None:
         progress(total, total)
