@@ -241,3 +241,18 @@ def test_the_bench_checkpoints_gguf_tokenizes_as_its_checkpoint(tmp_path):
     text = (ROOT / "kvstate" / "data" / "eval" / "phonebook_chats.txt").read_text(encoding="utf-8")[:3000]
     text += "\n  x = 12345  # élan 中文\n\n\tdone"
     assert ours.encode(text) == theirs.encode(text)
+
+
+def test_eval_perplexity_of_a_quantized_file_against_a_base(converted, tmp_path, capsys):
+    import json
+
+    quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1  # the tokenizer of the file\n" * 8)
+    base = tmp_path / "base.kvb"
+    common = ["eval", "perplexity", "--file", str(text), "--context", "32", "--json"]
+    assert main(common + ["--model", str(converted["f32"]), "--save-base", str(base)]) == 0
+    capsys.readouterr()
+    assert main(common + ["--model", str(quant), "--kl-base", str(base)]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["weight_dtype"] == "Q8_0" and 0 < row["kl_mean"] < 0.05 and row["top1_agree"] > 0.5
