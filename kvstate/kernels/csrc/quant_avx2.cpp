@@ -19,6 +19,7 @@ struct Isa {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V set1(float v) { return _mm256_set1_ps(v); }
@@ -40,6 +41,7 @@ struct Isa {
   static VI sll(VI a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   // 8 lanes hold no 16-entry table: the codes are converted and scaled instead (quant_tile.h)
   static constexpr int kTileRows = 2;  // 4 W rows x 2 x rows: 8 accumulators + 4 W + 1 x registers
+  static constexpr int kRegRows = 4;  // x rows whose accumulators stay in registers
   static constexpr bool kLut = false;
   static VI iota(int) { return _mm256_setzero_si256(); }
   static V lut16(VI, V t) { return t; }

@@ -19,6 +19,7 @@ struct Isa {
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V set1(float v) { return _mm512_set1_ps(v); }
@@ -36,6 +37,7 @@ struct Isa {
   static VI sll(VI a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   // table lookups of floats by int32 index: 16 entries, or 32 (bit 4 picks the second table)
   static constexpr int kTileRows = 4;  // 4 W rows x 4 x rows: 16 accumulators + 4 W + 1 x registers
+  static constexpr int kRegRows = 8;  // x rows whose accumulators stay in registers
   static constexpr bool kLut = true;
   static VI iota(int base) {
     return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
