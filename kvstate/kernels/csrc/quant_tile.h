@@ -50,14 +50,20 @@ static inline void deq_q4_0(const uint8_t* b, Sink&& sink) {  // 18 bytes: d, qs
 // the 6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K block (get_scale_min_k4), times d
 // and dmin: ds[j] = d * sc_j, dm[j] = dmin * m_j, as ggml rounds them
 static inline void scales_mins(const uint8_t* b, float* ds, float* dm) {
-  const float d = f16(b), dmin = f16(b + 2);
-  const uint8_t* s = b + 4;
-  for (int j = 0; j < 4; ++j) {
-    ds[j] = d * float(s[j] & 63);
-    dm[j] = dmin * float(s[j + 4] & 63);
-    ds[j + 4] = d * float((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
-    dm[j + 4] = dmin * float((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-  }
+  // the 12 bytes rearranged 32 bits at a time (as ggml's x86 kernels do): u[0..1] the 8 scales,
+  // u[2..3] the 8 mins, a byte each
+  uint32_t u[4];
+  __builtin_memcpy(u, b + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t m03 = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = m03;
+  u[0] &= k1;
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+  _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(f16(b)), sc));
+  _mm256_store_ps(dm, _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), m));
 }
 
 // Q4_K (144 bytes: d, dmin, scales[12], qs[128]) or Q5_K (176: d, dmin, scales[12], qh[32], qs[128]).
@@ -111,7 +117,9 @@ static inline void deq_q6_k(const uint8_t* b, Sink&& sink) {  // 210 bytes: ql[1
   const float d = f16(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   alignas(64) float ds[16];
-  for (int j = 0; j < 16; ++j) ds[j] = d * float(sc[j]);
+  for (int j = 0; j < 16; j += 8)
+    _mm256_store_ps(ds + j, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + j))))));
   const VI m32 = Isa::iset1(32), f = Isa::iset1(15), three = Isa::iset1(3);
 #pragma GCC unroll 2
   for (int half = 0; half < 2; ++half) {
