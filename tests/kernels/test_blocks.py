@@ -193,3 +193,22 @@ def test_linear_takes_the_kernel_for_few_rows_and_torch_beyond(backend):
         assert ran == (1 if backend != "torch" and rows <= MAX_ROWS else 0), (backend, rows)
         ref = F.linear(x.double(), w.double(), m.bias.double())
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fused_block_linears_project_like_each_alone():
+    """`kernels.fused` concatenates rows of blocks of one type (GGUF's q/k/v, gate/up) into one call;
+    linears of different block types stay apart."""
+    from kvstate.kernels.fused import fuse, project
+
+    parts = [_block_linear("Q4_K", n, 512, bias=False, seed=20 + n)[0] for n in (16, 8, 40)]
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        alone = [m(x) for m in parts]
+        group = fuse(*parts)
+        assert group is not None and group.format == "Q4_K" and tuple(group.weight.shape) == (64, 2 * 144)
+        for got, ref in zip(project(x, *parts), alone):
+            assert torch.equal(got, ref)
+        assert all(m.weight.data_ptr() == group.weight[i].data_ptr() for m, i in zip(parts, (0, 16, 24)))
+    q6 = _block_linear("Q6_K", 8, 512, bias=False, seed=30)[0]
+    assert fuse(_block_linear("Q4_K", 8, 512, bias=False, seed=31)[0], q6) is None
+    assert fuse(Linear(512, 8, bias=False), q6) is None

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <string>
 
+#include "decode_ops.h"
 #include "quant_blocks.h"
 
 namespace kvstate::quant {
@@ -31,11 +32,16 @@ int block_bytes(int type) {
 }
 
 namespace {
-
 std::atomic<int64_t> calls[2];  // avx512, avx2
+}  // namespace
+}  // namespace kvstate::quant
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t type,
-                     const std::string& isa) {
+namespace kvstate::op {
+
+Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
+                    const std::string& isa_in) {
+  using namespace kvstate::quant;
+  Tensor x = x_in;
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
   const int bw = block_weights(int(type));
@@ -52,6 +58,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     bptr = bias->data_ptr<float>();
   }
   __builtin_cpu_init();
+  const std::string isa = isa_in == "auto" ? vector_isa() : isa_in;
   const bool wide = isa == "avx512";
   TORCH_CHECK(wide || isa == "avx2", "kvstate quant: ISA avx512 or avx2, got ", isa);
   TORCH_CHECK(wide ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
@@ -75,15 +82,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   return y;
 }
 
-}  // namespace
-}  // namespace kvstate::quant
+}  // namespace kvstate::op
 
 namespace kvstate {
 void register_quant_ops(pybind11::module_& m) {
-  m.def("quant_linear", &quant::linear,
+  m.def("quant_linear", &op::quant_linear,
         "y[M, N] = x[M, K] @ W^T (+ bias), W the GGML blocks [N, bytes per row] of type `type`, each dequantized "
         "exactly, fp32 math", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("type"), pybind11::arg("isa"));
+        pybind11::arg("type"), pybind11::arg("isa") = "auto");
   m.def("quant_calls", [] { return std::vector<int64_t>{quant::calls[0].load(), quant::calls[1].load()}; },
         "calls of quant_linear since load: [avx512, avx2]");
 }
