@@ -9,8 +9,8 @@ order, so its numbers are the per-op path's, bit for bit; only the Python goes.
 
 `plan(model)` prepares one compiled block per block it can serve: a Gated DeltaNet (SiLU conv) or
 full-attention mixer whose projections are fused (`kernels.fused`) and bias-free, between two
-RMSNorms, then a SiLU gated MLP, weights fp32, bf16, int8 (with per-row scales) or GGML blocks of one type per fused group, small
-parameters fp32. Any other block
+RMSNorms, then a SiLU gated MLP, weights fp32, bf16, int8 (with per-row scales) or GGML blocks
+(one type per fused group), small parameters fp32. Any other block
 (MoE, Mamba, KDA, MLA, biases, a module with forward hooks such as tensor parallelism's all-reduce)
 keeps the per-op path: the decoder mixes both freely.
 `for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
