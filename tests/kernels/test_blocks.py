@@ -212,3 +212,16 @@ def test_fused_block_linears_project_like_each_alone():
     q6 = _block_linear("Q6_K", 8, 512, bias=False, seed=30)[0]
     assert fuse(_block_linear("Q4_K", 8, 512, bias=False, seed=31)[0], q6) is None
     assert fuse(Linear(512, 8, bias=False), q6) is None
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+def test_compiled_dequantizer_equals_gguf_bit_for_bit_on_each_isa(qtype):
+    """`quant_dequantize` (the prefill GEMM's tiles) gives exactly gguf's weights, on each ISA."""
+    ext = extension()
+    raw = random_blocks(qtype, 37, 1280 // TYPES[qtype].block, seed=11)
+    ref = quants.dequantize(raw, _gguf_type(qtype))
+    for isa in [i for i in ext.isas() if i != "amx"]:
+        got = ext.quant_dequantize(torch.from_numpy(raw), TYPES[qtype].type_id, isa)
+        assert got.dtype == torch.float32 and np.array_equal(got.numpy(), ref), isa
+    with pytest.raises(RuntimeError, match="rows of 100 bytes are not whole blocks"):
+        ext.quant_dequantize(torch.zeros(2, 100, dtype=torch.uint8), 12)

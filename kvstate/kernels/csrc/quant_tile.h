@@ -273,6 +273,25 @@ static void rows_of(const Args& a, int64_t n0, int64_t n1) {
   }
 }
 
+// W rows [n0, n1) as fp32 into y [N, K]: each weight exactly as ggml's dequantizer gives it
+template <int TYPE>
+static void dequantize_of(const Args& a, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float* d = a.y + n * a.K;
+    each_block<TYPE>(a.w + n * a.row_bytes, a.K, [&](int64_t k, int off, V w) { Isa::store(d + k + off, w); });
+  }
+}
+
+void dequantize_rows(const Args& a, int64_t n0, int64_t n1) {
+  switch (a.type) {
+    case kQ8_0: dequantize_of<kQ8_0>(a, n0, n1); break;
+    case kQ4_0: dequantize_of<kQ4_0>(a, n0, n1); break;
+    case kQ4_K: dequantize_of<kQ4_K>(a, n0, n1); break;
+    case kQ5_K: dequantize_of<kQ5_K>(a, n0, n1); break;
+    default: dequantize_of<kQ6_K>(a, n0, n1); break;
+  }
+}
+
 void rows(const Args& a, int64_t n0, int64_t n1) {
   switch (a.type) {
     case kQ8_0: rows_of<kQ8_0>(a, n0, n1); break;
