@@ -11,7 +11,9 @@ exactly in registers, FMAs with fp32 x) for up to `MAX_ROWS` rows, and otherwise
 extension, `kernels.backend("torch")`) the GEMM path: it dequantizes a tile of rows at a time (the
 compiled `quant_dequantize`, else torch ops; a few MiB of fp32, so the full fp32 matrix never
 exists) and multiplies each tile with one fp32 GEMM. Both multiply by the same weights; only the
-summation order differs.
+summation order differs. Under `activation.set_activation_dtype("bf16")` (the opt-in of llama.cpp's
+precision) the compiled tiles and x are rounded to bf16 for torch's bf16 GEMM, as bf16 weights'
+prefill does there.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.kernels import _ext
+from kvstate.kernels import _ext, activation
 from kvstate.kernels.dispatch import MAX_ROWS_BF16, choice
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
 
@@ -63,10 +65,14 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     deq = _dequantizer(x2)
     rows = max(1, (TILE_WEIGHTS if deq is dequantize else TILE_WEIGHTS_COMPILED) // k)
+    bf16 = activation.bf16_gemm and deq is not dequantize  # the opt-in: x and the tiles in bf16
+    xg = x2.to(torch.bfloat16) if bf16 else x2
     for start in range(0, n, rows):
         stop = min(start + rows, n)
-        b = None if bias is None else bias[start:stop].float()
-        y[:, start:stop] = F.linear(x2, deq(raw[start:stop], qtype), b)
+        w = deq(raw[start:stop], qtype)
+        y[:, start:stop] = F.linear(xg, w.to(torch.bfloat16)).float() if bf16 else F.linear(x2, w)
+    if bias is not None:
+        y += bias.float()
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 

@@ -225,3 +225,26 @@ def test_compiled_dequantizer_equals_gguf_bit_for_bit_on_each_isa(qtype):
         assert got.dtype == torch.float32 and np.array_equal(got.numpy(), ref), isa
     with pytest.raises(RuntimeError, match="rows of 100 bytes are not whole blocks"):
         ext.quant_dequantize(torch.zeros(2, 100, dtype=torch.uint8), 12)
+
+
+def test_prefill_rows_follow_the_bf16_opt_in():
+    """Under set_activation_dtype("bf16") the GEMM path's tiles and x are rounded to bf16 (llama.cpp's
+    precision); the default stays fp32 math on the exact weights."""
+    from kvstate.kernels import activation
+
+    extension()
+    if not activation.available():
+        pytest.skip("no AVX512_BF16 on this CPU")
+    m, w = _block_linear("Q6_K", 48, 512, bias=True, seed=12)
+    x = torch.randn(MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(12))
+    rounded = F.linear(x.bfloat16().double(), w.bfloat16().double(), m.bias.double())
+    exact = F.linear(x.double(), w.double(), m.bias.double())
+    with torch.no_grad():
+        activation.set_activation_dtype("bf16")
+        try:
+            y = m(x).double()
+        finally:
+            activation.set_activation_dtype("fp32")
+        assert (y - rounded).abs().max() <= 1e-2 * rounded.abs().max()
+        assert (y - exact).abs().max() > 1e-4 * exact.abs().max()  # x's rounding shows
+        assert (m(x).double() - exact).abs().max() <= 1e-5 * exact.abs().max()
