@@ -41,7 +41,6 @@ struct Isa {
   static VI sll(VI a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   // 8 lanes hold no 16-entry table: the codes are converted and scaled instead (quant_tile.h)
   static constexpr int kTileRows = 2;  // 4 W rows x 2 x rows: 8 accumulators + 4 W + 1 x registers
-  static constexpr int kRegRows = 4;  // x rows whose accumulators stay in registers
   static constexpr bool kLut = false;
   static VI iota(int) { return _mm256_setzero_si256(); }
   static V lut16(VI, V t) { return t; }

@@ -37,7 +37,6 @@ struct Isa {
   static VI sll(VI a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   // table lookups of floats by int32 index: 16 entries, or 32 (bit 4 picks the second table)
   static constexpr int kTileRows = 4;  // 4 W rows x 4 x rows: 16 accumulators + 4 W + 1 x registers
-  static constexpr int kRegRows = 8;  // x rows whose accumulators stay in registers
   static constexpr bool kLut = true;
   static VI iota(int base) {
     return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));

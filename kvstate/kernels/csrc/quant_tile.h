@@ -15,7 +15,7 @@ using V = typename Isa::V;
 using VI = typename Isa::VI;
 
 // Each dequantizer below hands its weights to `sink(off, V of L weights)`, `off` the index of the first
-// in the block (a constant once the loops unroll): a store into a buffer, or the FMAs of up to 8 x rows
+// in the block (a constant once the loops unroll): a store into a buffer, or the FMAs of up to 4 x rows
 // straight from the registers.
 
 // codes [L] as floats, times s, minus m: the dequantized weights (no fused multiply-add: ggml rounds
@@ -230,22 +230,14 @@ static void rows_in_registers(const Args& a, int64_t n0, int64_t n1) {
 
 template <int TYPE>
 static void rows_of(const Args& a, int64_t n0, int64_t n1) {
-  // up to Isa::kRegRows x rows: each W row dequantized in registers, straight into the FMAs of all of them
+  // up to 4 x rows: each W row dequantized in registers, straight into the FMAs of all of them (from 5
+  // rows the buffered 4 x kTileRows tile below is faster: 8 rows in registers cost 1.4x it on Zen 4)
   switch (a.M) {
     case 1: return rows_in_registers<TYPE, 1>(a, n0, n1);
     case 2: return rows_in_registers<TYPE, 2>(a, n0, n1);
     case 3: return rows_in_registers<TYPE, 3>(a, n0, n1);
     case 4: return rows_in_registers<TYPE, 4>(a, n0, n1);
     default: break;
-  }
-  if constexpr (Isa::kRegRows >= 8) {
-    switch (a.M) {
-      case 5: return rows_in_registers<TYPE, 5>(a, n0, n1);
-      case 6: return rows_in_registers<TYPE, 6>(a, n0, n1);
-      case 7: return rows_in_registers<TYPE, 7>(a, n0, n1);
-      case 8: return rows_in_registers<TYPE, 8>(a, n0, n1);
-      default: break;
-    }
   }
   constexpr int kTileRows = Isa::kTileRows;  // x rows of the 4-W-row tile (what the registers hold)
   int64_t n = n0;
