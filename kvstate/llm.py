@@ -20,6 +20,7 @@ import warnings
 from typing import Iterator
 
 from kvstate.engine.collector import RequestCollector
+from kvstate.engine.config import EngineConfig
 from kvstate.engine.core import EngineCore
 from kvstate.engine.outputs import EngineOutput, RequestOutput, StreamEvent
 from kvstate.engine.params import SamplingParams
@@ -59,48 +60,33 @@ def check_salt(salt) -> None:
 
 
 class LLM:
-    def __init__(self, model: str | os.PathLike, *, cache_memory: int | str | None = None, block_size: int = 16,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 conv_window: str = "kernel", seed: int | None = None, load_progress=None,
-                 enable_prefix_caching: bool = False, snapshot_interval: int | str | None = "auto",
-                 prefix_eviction: str = "marconi", num_snapshot_slots: int | None = None, prefix_align: int = 1,
-                 snapshot_repeat: bool = True, speculative_config: dict | None = None,
-                 weight_dtype: str | None = None, tensor_parallel_size: int = 1,
-                 snapshot_memory: int | str | None = None):
-        """`load_progress(bytes_done, bytes_total)`, if given, is called as the weights load (a progress bar).
-        `enable_prefix_caching`: reuse KV blocks and state snapshots of earlier prompts and replies
-        (snapshots at prompt length - 1 (`snapshot_repeat`), chat message ends, a prompt's
-        `cache_prefix`, every `snapshot_interval` prompt tokens ("auto": adapted to the prompt);
-        eviction "marconi" or "lru"; kvstate.engine.prefix_admission); `snapshot_memory` (bytes or a
-        size such as "256MiB", out of `cache_memory`) bounds the snapshots' state slots (default: 2
-        per sequence within half the budget; `kvstate memory --snapshots N` shows what N cost).
-        `weight_dtype` ("bf16", "fp32", ...; default: the checkpoint's) stores the weight matrices.
-        `tensor_parallel_size` N > 1: the model and its caches sharded over N processes (this one and
-        N - 1 it spawns, gloo on 127.0.0.1; or torchrun's); `cache_memory` is then per process."""
+    def __init__(self, model: str | os.PathLike, *, load_progress=None, config: EngineConfig | None = None,
+                 **fields):
+        """`fields`: the engine's settings, as `EngineConfig`'s fields (each documented there), or
+        a whole `config`. `load_progress(bytes_done, bytes_total)`, if given, is called as the
+        weights load (a progress bar). `tensor_parallel_size` N > 1: the model and its caches
+        sharded over N processes (this one and N - 1 it spawns, gloo on 127.0.0.1; or torchrun's);
+        `cache_memory` is then per process."""
         from kvstate.hub import resolve_checkpoint
         from kvstate.models.loader import load_model
 
+        if config is not None and fields:
+            raise KvstateError("give LLM an EngineConfig or its fields as keywords, not both")
+        config = EngineConfig(**fields) if config is None else config
         path = resolve_checkpoint(model)
         runner_class = None
-        if tensor_parallel_size != 1:
+        if config.tensor_parallel_size != 1:
             from kvstate.parallel.engine import start
 
-            module, plan, runner_class = start(path, tensor_parallel_size, weight_dtype=weight_dtype)
+            module, plan, runner_class = start(path, config.tensor_parallel_size, weight_dtype=config.weight_dtype)
         else:
-            module, plan = load_model(path, progress=load_progress, weight_dtype=weight_dtype)
+            module, plan = load_model(path, progress=load_progress, weight_dtype=config.weight_dtype)
         tokenizer = None
         if (path / "tokenizer.json").exists():
             from kvstate.models.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(path)
-        self.engine = EngineCore(module, plan, tokenizer, cache_memory=cache_memory, block_size=block_size,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, conv_window=conv_window, seed=seed,
-                                 enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
-                                 prefix_eviction=prefix_eviction, num_snapshot_slots=num_snapshot_slots,
-                                 prefix_align=prefix_align, snapshot_repeat=snapshot_repeat,
-                                 speculative_config=speculative_config,
-                                 runner_class=runner_class, snapshot_memory=snapshot_memory)
+        self.engine = EngineCore(module, plan, tokenizer, config, runner_class=runner_class)
         self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
         self._ids = itertools.count()
         self._warned_prompts: set[str] = set()  # prompt texts already warned about unknown words

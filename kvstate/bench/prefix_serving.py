@@ -39,6 +39,7 @@ SERVING_POLICIES = ("off", "aligned", "kvstate")  # prompt-end is compared on th
 
 def make_core(model, plan, policy: str, shape: dict):
     from kvstate.cache.spec import cache_spec
+    from kvstate.engine.config import EngineConfig
     from kvstate.engine.core import EngineCore
 
     options = POLICIES[policy]
@@ -50,8 +51,8 @@ def make_core(model, plan, policy: str, shape: dict):
     if options is not None:
         kw = {k: (shape["align"] if v == "ALIGN" else v) for k, v in options.items() if k != "hints"}
         kw.update(enable_prefix_caching=True, num_snapshot_slots=shape["slots"])
-    core = EngineCore(model, plan, cache_memory=budget, max_num_seqs=2, max_model_len=longest,
-                      max_num_batched_tokens=4096, **kw)
+    core = EngineCore(model, plan, config=EngineConfig(cache_memory=budget, max_num_seqs=2, max_model_len=longest,
+                                                       max_num_batched_tokens=4096, **kw))
     serve(core, [1, 2, 3], None, 2)  # warm-up (ids < 10: shares nothing with the workloads)
     return core
 

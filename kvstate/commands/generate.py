@@ -16,10 +16,13 @@ import time
 import warnings
 from collections import Counter
 
-from kvstate.terminal.arg_types import count_arg, seed_arg, whole_number
-from kvstate.terminal.engine_args import (  # noqa: F401 (speculative_config is used by run)
-    add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype, speculative_config)
+from kvstate.terminal.arg_types import count_arg, whole_number
+from kvstate.terminal.engine_args import add_engine_args, add_speculative_args, engine_config
 from kvstate.errors import KvstateError, UnknownTokenWarning
+
+
+# the EngineConfig fields generate takes as options (kvstate.engine.config documents each)
+ENGINE_ARGS = ("seed", "cache_memory", "max_model_len", "tensor_parallel_size", "enable_prefix_caching", "weight_dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +46,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="keep the smallest set of tokens with this total probability; 1 = off (default: 1)")
     parser.add_argument("--min-p", type=float, default=0.0, metavar="P",
                         help="drop tokens less likely than this times the top one; 0 = off (default: 0)")
-    parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
-                        help="random seed: the same seed gives the same tokens (default: none, fresh randomness)")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="stop when the output contains this string, which is left out (repeatable)")
     parser.add_argument("--stop-token-id", action="append", type=whole_number(0), default=None, metavar="ID",
@@ -61,13 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "negative ones; 1 = off (default: 1)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token (default: stop there)")
-    add_cache_args(parser)
-    add_tp_arg(parser)
-    parser.add_argument("--prefix-caching", "--enable-prefix-caching", action="store_true", dest="prefix_caching",
-                        help="reuse the KV blocks and state snapshots of earlier prompts and replies that share a "
-                             "prefix (the summary says how many prompt tokens came from the cache)")
-    add_weight_dtype(parser)
-    add_spec_args(parser)
+    add_engine_args(parser, ENGINE_ARGS)
+    add_speculative_args(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt when done instead of streaming text")
 
@@ -107,10 +103,7 @@ def run(args: argparse.Namespace) -> int:
     # a hub id -> its snapshot dir (weights and tokenizer); a shipped name -> its package dir
     model = resolve_checkpoint(args.model or DEFAULT_MODEL)
     with load_progress(console, enabled=not args.json) as progress:
-        llm = LLM(model, cache_memory=args.cache_memory, max_model_len=args.max_model_len, seed=args.seed,
-                  load_progress=progress, speculative_config=speculative_config(args),
-                  enable_prefix_caching=args.prefix_caching,
-                  weight_dtype=args.weight_dtype, tensor_parallel_size=args.tp)
+        llm = LLM(model, load_progress=progress, **engine_config(args, ENGINE_ARGS))
     if args.chat:
         if llm.tokenizer is None:
             raise KvstateError(f"{args.model}: --chat needs a tokenizer.json")

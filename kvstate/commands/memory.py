@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mtp_kv_bytes(args, plan, spec) -> int:
-    """KV bytes per token the MTP block adds when the engine drafts with it (`--spec-mtp`)."""
+    """KV bytes per token the MTP block adds when the engine drafts with it (`--speculative-mtp`)."""
     from kvstate.cache.spec import cache_spec
 
     with_mtp = cache_spec(plan, kv_dtype=args.kv_dtype, state_dtype=args.state_dtype, conv_dtype=args.conv_dtype,
@@ -201,7 +201,7 @@ def _print_tables(args, contexts, models, fits, chart) -> None:
     for _, plan, spec in models:
         if plan.mtp:
             notes.append(f"{plan.name}: its MTP block adds {fb(_mtp_kv_bytes(args, plan, spec))} KV / token "
-                         f"when drafting with it (--spec-mtp)")
+                         f"when drafting with it (--speculative-mtp)")
     console.print(table)
     for note in notes:
         console.print(note, style="dim", soft_wrap=True)

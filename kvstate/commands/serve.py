@@ -20,8 +20,8 @@ import socket
 import sys
 from pathlib import Path
 
-from kvstate.terminal.arg_types import count_arg, seed_arg
-from kvstate.terminal.engine_args import add_cache_args, add_spec_args, add_tp_arg, add_weight_dtype
+from kvstate.terminal.arg_types import count_arg
+from kvstate.terminal.engine_args import add_engine_args, add_speculative_args
 from kvstate.errors import KvstateError
 from kvstate.server.limits import (CHARS_PER_TOKEN, DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_IDLE_TIMEOUT,
                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES)
@@ -49,8 +49,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _interval(text: str):
-    return "auto" if text == "auto" else count_arg(text)
+# the EngineConfig fields serve takes as options (kvstate.engine.config documents each)
+ENGINE_ARGS = ("cache_memory", "max_model_len", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
+               "enable_prefix_caching", "snapshot_interval", "snapshot_memory", "seed", "weight_dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -62,25 +63,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on; 0 = any free port (default: 8000)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the --model argument's last path part)")
-    add_cache_args(parser)
-    add_tp_arg(parser)
-    parser.add_argument("--max-num-seqs", type=count_arg, default=32, metavar="N",
-                        help="most requests running at once (and state slots) (default: 32)")
-    parser.add_argument("--max-num-batched-tokens", type=count_arg, default=2048, metavar="N",
-                        help="most tokens computed in one engine step (default: 2048)")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
-                        help="reuse KV blocks and state snapshots of earlier prompts and replies (hits in /metrics)")
-    parser.add_argument("--snapshot-interval", type=_interval, default="auto", metavar="N",
-                        help="with prefix caching, also snapshot the state every N prompt tokens; 'auto': 256, "
-                             "doubled until a prompt holds at most 8 (default: auto)")
-    parser.add_argument("--snapshot-memory", default=None, metavar="SIZE",
-                        help="with prefix caching, the bytes of --cache-memory that state snapshots may hold "
-                             "(e.g. 256MiB; `kvstate memory MODEL --snapshots N` shows what N cost; default: "
-                             "2 per --max-num-seqs within half of --cache-memory)")
-    add_spec_args(parser)
-    parser.add_argument("--seed", type=seed_arg, default=None, metavar="N",
-                        help="seed of the requests that give none (default: fresh randomness)")
-    add_weight_dtype(parser)  # --weight-dtype, as generate takes it
+    add_engine_args(parser, ENGINE_ARGS)
+    add_speculative_args(parser)
     parser.add_argument("--bench-json", default=None, metavar="FILE",
                         help="a saved `kvstate bench engine --json` result: the explorer's prefill/decode "
                              "timeline at real scale (the page can also take an upload)")
@@ -192,9 +176,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _app(args: argparse.Namespace, model):
     from kvstate.terminal.console import make_console
-    from kvstate.terminal.engine_args import speculative_config
+    from kvstate.terminal.engine_args import engine_config
     from kvstate.terminal.progress import load_progress
     from kvstate.llm import LLM
+    from kvstate.engine.config import EngineConfig
     from kvstate.hub import resolve_checkpoint
     from kvstate.server.app import create_app
     from kvstate.server.limits import ServerLimits
@@ -206,16 +191,11 @@ def _app(args: argparse.Namespace, model):
         routers.append(explorer.router)
     except ImportError:  # the explorer's API is optional: the OpenAI routes serve without it
         pass
-    spec = speculative_config(args)  # a bad flag fails before the weights load
+    config = EngineConfig(**engine_config(args, ENGINE_ARGS))  # a bad flag fails before the weights load
     bench = read_bench_json(args.bench_json) if args.bench_json else None
     path = resolve_checkpoint(model)
     with load_progress(make_console(stderr=True)) as progress:
-        llm = LLM(path, cache_memory=args.cache_memory, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  seed=args.seed, load_progress=progress, weight_dtype=args.weight_dtype,
-                  enable_prefix_caching=args.enable_prefix_caching, snapshot_interval=args.snapshot_interval,
-                  snapshot_memory=args.snapshot_memory,
-                  speculative_config=spec, tensor_parallel_size=args.tp)
+        llm = LLM(path, load_progress=progress, config=config)
     if args.served_model_name:
         name = args.served_model_name
     else:  # a local checkpoint by its folder name, a hub id as given

@@ -8,7 +8,7 @@ this package's top level.
 One engine step (`EngineCore.step`, engine/core.py):
 
     step = scheduler.schedule()                     # which sequences compute how many tokens
-    out = runner.execute(step)                      # slot copies, Batch.from_spec, model, sample
+    out = runner.execute(step)                      # slot copies, Batch.from_layout, model, sample
     finished, kept = scheduler.postprocess(step, out.token_ids)
     runner.keep(kept)                               # speculative decoding: roll states back
     -> one EngineOutput per request that changed: new tokens, new text, finished, RequestOutput

@@ -1,6 +1,6 @@
 """The engine core: requests in, one step at a time, the news of every request out.
 
-    core = EngineCore(model, plan, tokenizer, cache_memory=..., max_model_len=...)
+    core = EngineCore(model, plan, tokenizer, EngineConfig(cache_memory=..., max_model_len=...))
     core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
     while core.has_unfinished():
         for out in core.step():          # EngineOutput per request that changed in this step
@@ -15,180 +15,57 @@ user-API state (prompt texts, n-sample grouping, stream iterators).
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 
+from kvstate.engine.budget import engine_budget
 from kvstate.engine.cache_report import CacheReport
+from kvstate.engine.config import EngineConfig
 from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.scheduler import Scheduler, SchedulerConfig
 from kvstate.engine.sequence import Sequence
 from kvstate.errors import KvstateError
 
-DEFAULT_CACHE_FRACTION = 0.2  # of the memory available when no cache budget is given
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 8 GiB where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-def check_max_model_len(value, limit: int | None) -> int:
-    """The max_model_len asked for, checked as vLLM checks it; `limit` is the model's
-    max_position_embeddings (None: the model has no limit). None asks for the limit."""
-    if value is None:
-        return limit or 1 << 20
-    if isinstance(value, bool):
-        raise KvstateError(f"max_model_len must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise KvstateError(f"max_model_len must be an integer, got {value!r}") from None
-    if value < 1:
-        raise KvstateError(f"max_model_len must be >= 1, got {value}")
-    if limit is not None and value > limit:
-        raise KvstateError(f"max_model_len {value} is more than the model's maximum {limit} "
-                           f"(max_position_embeddings in config.json)")
-    return value
-
-
-def snapshot_slots(plan, conv_window: str, cache_bytes: int, max_num_seqs: int, asked: int | None,
-                   memory: int | str | None = None) -> int:
-    """Spare state slots for prefix-cache snapshots: `asked`, or as many as `memory` bytes hold
-    (`--snapshot-memory`), else 2 per sequence within half the budget."""
-    from kvstate.cache.spec import cache_spec
-    from kvstate.memory import parse_size, snapshots_within
-
-    if asked is not None and memory is not None:
-        raise KvstateError("give num_snapshot_slots or snapshot_memory, not both")
-    if asked is not None:
-        if asked < 0:
-            raise KvstateError(f"num_snapshot_slots must be >= 0, got {asked}")
-        return asked
-    spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32", conv_window=conv_window)
-    if memory is not None:
-        memory = parse_size(memory, "--snapshot-memory") if isinstance(memory, str) else memory
-        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
-            raise KvstateError(f"--snapshot-memory must be a size in bytes >= 0, got {memory!r:.40}")
-        if memory > cache_bytes:
-            raise KvstateError(f"--snapshot-memory ({memory} bytes) is more than the cache budget "
-                               f"({cache_bytes} bytes)")
-        return snapshots_within(spec, memory)
-    fit = (cache_bytes // 2) // spec.state_bytes if spec.state_bytes else 2 * max_num_seqs
-    return max(1, min(2 * max_num_seqs, fit))
-
-
-def _draft_costs(speculative_config, max_num_seqs: int, block_size: int) -> tuple[int, int] | None:
-    """(fixed bytes, bytes per target token) of a draft model's pools (`draft_pool_bytes`), None without one."""
-    if speculative_config is None:
-        return None
-    from kvstate.cache.spec import cache_spec
-    from kvstate.families import read_plan
-    from kvstate.engine.speculative.config import SpeculativeConfig
-    from kvstate.engine.speculative.draft_model import draft_pool_bytes
-    from kvstate.hub import resolve_checkpoint
-
-    config = SpeculativeConfig.from_dict(speculative_config)
-    if config.model is None:
-        return None
-    spec = cache_spec(read_plan(resolve_checkpoint(config.model)), kv_dtype="float32", state_dtype="float32",
-                      conv_dtype="float32")
-    return draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, max_tokens=0,
-                            k=config.num_speculative_tokens)
-
-
-def _uses_mtp(speculative_config, model, plan) -> bool:
-    """Whether the engine drafts with the checkpoint's MTP head; one error where it has none."""
-    if speculative_config is None:
-        return False
-    from kvstate.engine.speculative.config import SpeculativeConfig
-
-    if SpeculativeConfig.from_dict(speculative_config).method != "mtp":
-        return False
-    if getattr(model, "mtp", None) is None:
-        raise KvstateError(f"speculative_config: method 'mtp' needs a checkpoint with multi-token-prediction "
-                           f"weights (mtp.* and mtp_num_hidden_layers in config.json); {plan.name} has none")
-    return True
-
-
 class EngineCore:
-    def __init__(self, model, plan, tokenizer=None, *, cache_memory: int | str | None = None, block_size: int = 16,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 conv_window: str = "kernel", seed: int | None = None, enable_prefix_caching: bool = False,
-                 snapshot_interval: int | str | None = "auto", prefix_eviction: str = "marconi", prefix_align: int = 1,
-                 num_snapshot_slots: int | None = None, snapshot_repeat: bool = True, speculative_config=None,
-                 runner_class=None, snapshot_memory: int | str | None = None):
-        """Prefix caching (`kvstate.engine.prefix_cache`) keeps state snapshots in `num_snapshot_slots`
-        spare state slots (default: 2 per sequence, at most half of the cache budget) out of the same
-        budget as the KV blocks; or as many as `snapshot_memory` bytes hold (a size such as "256MiB").
-        `speculative_config`: vLLM's dict (`kvstate.engine.speculative`).
-        `runner_class`: ModelRunner by default; tensor parallelism's rank-0 runner (kvstate.parallel.engine)."""
+    def __init__(self, model, plan, tokenizer=None, config: EngineConfig | None = None, *, runner_class=None):
+        """`config`: the engine's settings (`EngineConfig`; its defaults where None); the pools'
+        budget comes from `kvstate.engine.budget`. `runner_class`: ModelRunner by default; tensor
+        parallelism's rank-0 runner (kvstate.parallel.engine)."""
         from kvstate.engine.runner import ModelRunner
-        from kvstate.memory import parse_size
 
+        self.config = config = EngineConfig() if config is None else config
         self.plan, self.tokenizer = plan, tokenizer
-        max_model_len = check_max_model_len(max_model_len, plan.max_position_embeddings)
-        if isinstance(cache_memory, str):
-            cache_memory = parse_size(cache_memory, "--cache-memory")
-        from kvstate.cache.spec import cache_spec
-
-        # under tensor parallelism the model holds its rank's plan (its heads' cache) and the ranks share the machine
-        local = getattr(model, "plan", None) or plan
-        ranks = getattr(getattr(model, "tp_group", None), "size", 1)
-        mtp = _uses_mtp(speculative_config, model, plan)  # the MTP head's KV is part of every request's cache
-        spec = cache_spec(local, kv_dtype="float32", state_dtype="float32", conv_dtype="float32",
-                          conv_window=conv_window, mtp=mtp)
-        draft = _draft_costs(speculative_config, max_num_seqs, block_size)  # (fixed, per token) or None
-        if cache_memory is None:
-            need = max_num_seqs * (spec.state_bytes + max_model_len * spec.kv_bytes_per_token)
-            if enable_prefix_caching:
-                need += 2 * max_num_seqs * spec.state_bytes
-            if draft is not None:
-                need += draft[0] + max_num_seqs * max_model_len * draft[1]
-            cache_memory = min(int(DEFAULT_CACHE_FRACTION * available_memory()) // ranks, need)
-        spare = 0
-        if enable_prefix_caching:
-            spare = snapshot_slots(local, conv_window, cache_memory, max_num_seqs, num_snapshot_slots, snapshot_memory)
-        self.draft_cache_bytes = 0  # what a draft model's pools take out of cache_memory
-        if draft is not None:
-            fixed, per_token = draft
-            left = cache_memory - fixed - (max_num_seqs + spare) * spec.state_bytes
-            tokens = max(0, left) // (spec.kv_bytes_per_token + per_token) if spec.kv_bytes_per_token else \
-                max_num_seqs * max_model_len  # no target KV: the draft holds full-length requests
-            self.draft_cache_bytes = fixed + tokens * per_token
+        budget = engine_budget(config, model, plan)
+        self.draft_cache_bytes = budget.draft_cache_bytes  # what a draft model's pools take out of cache_memory
         self.runner = (runner_class or ModelRunner)(
-            model, plan, cache_bytes=cache_memory - self.draft_cache_bytes, block_size=block_size,
-            num_slots=max_num_seqs + spare, max_model_len=max_model_len, conv_window=conv_window, seed=seed,
-            **({"mtp": True} if mtp else {}))
-        sizes = self.runner.sizes
+            model, plan, cache_bytes=budget.cache_bytes, block_size=config.block_size, num_slots=budget.num_slots,
+            max_model_len=budget.max_model_len, conv_window=config.conv_window, seed=config.seed,
+            **({"mtp": True} if budget.mtp else {}))
         # a model without KV layers has block ids for bookkeeping only; with KV layers the pool caps the length
-        self.max_model_len = min(max_model_len, sizes.num_blocks * block_size)
-        eos = tokenizer.eos_token_ids if tokenizer is not None else set()
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=sizes.num_blocks, block_size=block_size, num_slots=sizes.num_slots,
-            max_model_len=self.max_model_len, vocab_size=plan.vocab_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, eos_token_ids=frozenset(eos),
-            enable_prefix_caching=enable_prefix_caching, snapshot_interval=snapshot_interval,
-            snapshot_repeat=snapshot_repeat, prefix_eviction=prefix_eviction, prefix_align=prefix_align,
-            prefix_costs=self._prefix_costs()),
-            detokenize=tokenizer.decode if tokenizer is not None else None)
+        self.max_model_len = min(budget.max_model_len, self.runner.sizes.num_blocks * config.block_size)
+        self.scheduler = Scheduler(self._scheduler_config(),
+                                   detokenize=tokenizer.decode if tokenizer is not None else None)
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
         self.proposer = None  # speculative decoding's Proposer
-        if speculative_config is not None:
+        if config.speculative_config is not None:
             from kvstate.engine.speculative.proposer import make_proposer
 
-            self.proposer = make_proposer(speculative_config, self)
+            self.proposer = make_proposer(config.speculative_config, self)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
         self.cache_reports: deque = deque(maxlen=32)  # (request id, CacheReport) of the last finished requests
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        c, sizes = self.config, self.runner.sizes
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
+        return SchedulerConfig(
+            num_blocks=sizes.num_blocks, block_size=c.block_size, num_slots=sizes.num_slots,
+            max_model_len=self.max_model_len, vocab_size=self.plan.vocab_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, eos_token_ids=frozenset(eos),
+            enable_prefix_caching=c.enable_prefix_caching, snapshot_interval=c.snapshot_interval,
+            snapshot_repeat=c.snapshot_repeat, prefix_eviction=c.prefix_eviction, prefix_align=c.prefix_align,
+            prefix_costs=self._prefix_costs())
 
     @property
     def model(self):

@@ -20,16 +20,16 @@ from kvstate.cache.spec import cache_spec
 from kvstate.engine.block_manager import pool_sizes
 from kvstate.engine.prompt_logprobs import step_prompt_logprobs
 from kvstate.engine.sampling import RequestGenerators, SampleOutput, sample
-from kvstate.engine.speculative.rejection import sample_step
+from kvstate.engine.rejection import sample_step
 from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
-from kvstate.models.batch import Batch, BatchSpec
+from kvstate.models.batch import Batch, BatchLayout
 from kvstate.profiling import timed
 
 
-def batch_spec(step) -> BatchSpec:
+def batch_layout(step) -> BatchLayout:
     """The model's view of a scheduled step (models/ knows nothing of the scheduler's field names)."""
-    return BatchSpec(query_lens=list(step.num_tokens), context_lens=list(step.context_lens),
+    return BatchLayout(query_lens=list(step.num_tokens), context_lens=list(step.context_lens),
                      state_slots=list(step.state_slots), block_tables=[list(t) for t in step.block_tables],
                      block_size=step.block_size, modes=step.modes(), sample_rows=step.sample_indices,
                      captures=list(step.captures) or None)
@@ -91,11 +91,11 @@ class ModelRunner:
                         t[dst].copy_(t[src])
 
     @torch.inference_mode()
-    def run(self, spec: BatchSpec, input_ids: list[int], *, hidden: bool = False):
-        """Run one step's forward over its packed `input_ids`; returns logits [len(spec.sample_rows), vocab] (fp32),
+    def run(self, layout: BatchLayout, input_ids: list[int], *, hidden: bool = False):
+        """Run one step's forward over its packed `input_ids`; returns logits [len(layout.sample_rows), vocab] (fp32),
         and with `hidden` also every token's normed last hidden state [T, hidden] (prompt logprobs score them)."""
         device = self.model.device
-        batch = Batch.from_spec(spec, device=device)
+        batch = Batch.from_layout(layout, device=device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         one_query_per_row = batch.decode_only or batch.verify_group is not None  # decode, or verify drafts
         with small_ops_serial() if one_query_per_row and self.serial_small_ops else contextlib.nullcontext():
@@ -145,7 +145,7 @@ class ModelRunner:
         if step.is_empty:
             return SampleOutput([], [], [])
         scoring = bool(step.prompt_rows())  # entries scoring prompt tokens (prompt_logprobs) need every row
-        logits = self.run(batch_spec(step), step.input_ids(), hidden=scoring)
+        logits = self.run(batch_layout(step), step.input_ids(), hidden=scoring)
         scored = []
         if scoring:
             logits, normed = logits

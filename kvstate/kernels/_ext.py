@@ -1,4 +1,4 @@
-"""Where the compiled extension lives, building it once on first use, and loading it.
+"""Loading the compiled extension, building it (`_compile`) once on first use.
 
 The C++ sources (`csrc/`) ship inside the package, so every install (editable, wheel, sdist) can
 build them for the machine it runs on. The library goes to a per-user cache,
@@ -13,72 +13,18 @@ on first use off.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import platform
-import sys
-from pathlib import Path
 
-NAME = "kvstate_gemv"
-HERE = Path(__file__).resolve().parent
-CSRC = HERE / "csrc"
-# OpenMP: at::parallel_for is inlined into the extension; torch's libgomp serves it.
-CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
-LDFLAGS = ("-fopenmp",)
-CACHE_ENV = "KVSTATE_KERNELS_CACHE"
+from kvstate.kernels._compile import (  # noqa: F401 (where the build lives, as the callers of _ext know it)
+    CACHE_ENV, CFLAGS, CSRC, LDFLAGS, NAME, build, build_dir, build_key, cache_root, failed_marker, library, sources,
+    stamp, toolchain)
+
 BUILD_ENV = "KVSTATE_KERNELS_BUILD"
 REBUILD_HINT = "run `python -m kvstate.kernels.build`"
+BACKEND_ENV = "KVSTATE_KERNELS"  # the backend to use or the ISA cap (kvstate.kernels.dispatch)
 
 _loaded: dict[str, object] = {}  # "module" -> the extension, "reason" -> why it is not there
-
-
-def sources() -> list[Path]:
-    if not CSRC.is_dir():
-        return []
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
-
-
-def toolchain() -> str:
-    """What a build depends on besides the sources: torch's version, the Python ABI, machine, flags."""
-    import torch
-
-    return " ".join((torch.__version__, sys.implementation.cache_tag, platform.machine(), *CFLAGS, *LDFLAGS))
-
-
-def build_key() -> str:
-    """16 hex digits naming the build: the sources and the toolchain."""
-    h = hashlib.sha256()
-    for p in sources():
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    for part in toolchain().split(" "):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvstate" / "kernels"
-
-
-def build_dir() -> Path:
-    return cache_root() / build_key()
-
-
-def library() -> Path:
-    return build_dir() / f"{NAME}.so"
-
-
-def stamp() -> Path:
-    """Written (with the key) once a build in build_dir() succeeded: the library there is whole."""
-    return build_dir() / "built"
-
-
-def failed_marker() -> Path:
-    """Written when a compile failed, with its one-line message: later processes do not retry it."""
-    return build_dir() / "failed"
 
 
 def auto_build() -> bool:
@@ -112,6 +58,11 @@ def adopt(module) -> None:
     _loaded["module"], _loaded["reason"] = _ready(module)
 
 
+def backend_from_env() -> str:
+    """The backend KVSTATE_KERNELS asks for ("auto" when unset), not yet checked."""
+    return os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+
+
 def _try_load():
     if not sources():
         return None, f"the kernel sources are missing from this install ({CSRC})"
@@ -120,9 +71,7 @@ def _try_load():
             return None, f"{failed_marker().read_text().strip()} ({REBUILD_HINT} to retry)"
         if not auto_build():
             return None, f"not built ({BUILD_ENV}=0; {REBUILD_HINT})"
-        from kvstate.kernels import _compile
-
-        built, message, module = _compile.build(progress=True)
+        built, message, module = build(progress=True)
         if not built:  # (the build said so on stderr, in one line)
             return None, message
         if module is not None:
@@ -143,8 +92,6 @@ def _ready(module):
     """The module with the ISA cap of KVSTATE_KERNELS applied, or why it cannot serve this CPU."""
     if not module.isas():
         return None, "this CPU has neither AVX-512 nor AVX2+FMA"
-    from kvstate.kernels.dispatch import backend_from_env
-
     cap = backend_from_env()
     module.set_isa_cap(cap if cap in ("avx512", "avx2") else "auto")
     return module, None

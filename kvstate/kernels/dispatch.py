@@ -18,12 +18,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from kvstate.kernels import _ext, activation
+from kvstate.kernels._ext import BACKEND_ENV as ENV
+from kvstate.kernels._ext import backend_from_env
 from kvstate.kernels.threads import _wide
 from kvstate.profiling import timed
 
@@ -34,15 +35,8 @@ from kvstate.profiling import timed
 MAX_ROWS = 32
 MAX_ROWS_BF16 = 64
 CHOICES = ("auto", "torch", "amx", "avx512", "avx2")
-ENV = "KVSTATE_KERNELS"
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvstate_kernels_backend", default=None)
-
-
-def backend_from_env() -> str:
-    """The backend KVSTATE_KERNELS asks for ("auto" when unset), not yet checked."""
-    return os.environ.get(ENV, "auto").strip().lower() or "auto"
-
 
 # Read once, at import: a decode step makes ~200 calls and an environment lookup costs as much
 # as the rest of the dispatch. A bad value is reported by the first call, not by the import.

@@ -14,8 +14,8 @@ token; the linear layers leave those states in `rollback` and the engine keeps t
 accepted length once it is known (`kvstate.layers.recurrence.keep_states`). Attention treats a
 verify entry as a prefill chunk.
 
-`BatchSpec` is a step as plain host lists (what the engine hands over, and what crosses to TP
-ranks); `Batch.from_spec` builds from it. Host-side lengths are plain lists computed once; every
+`BatchLayout` is a step as plain host lists (what the engine hands over, and what crosses to TP
+ranks); `Batch.from_layout` builds from it. Host-side lengths are plain lists computed once; every
 tensor lives on the model's device (`Batch.build(..., device=)`). The model returns logits only
 for `sample_rows`: the last token of the entries whose next token is sampled (every token of a
 verify entry: each row judges one draft), or with logits="all" every token, for tests/analysis.
@@ -46,7 +46,7 @@ class StateGroup:
 
 
 @dataclass(frozen=True)
-class BatchSpec:
+class BatchLayout:
     """One step's entries as host lists (no tensors): the arguments of `Batch.build`, by name."""
 
     query_lens: list[int]  # new tokens per entry
@@ -127,9 +127,10 @@ class Batch:
                      groups=(group,))
 
     @classmethod
-    def from_spec(cls, spec: BatchSpec, *, device=None) -> "Batch":
-        return cls.build(spec.query_lens, spec.context_lens, spec.state_slots, spec.block_tables, spec.block_size,
-                         sample_rows=spec.sample_rows, modes=spec.modes, device=device, captures=spec.captures)
+    def from_layout(cls, layout: BatchLayout, *, device=None) -> "Batch":
+        lay = layout
+        return cls.build(lay.query_lens, lay.context_lens, lay.state_slots, lay.block_tables, lay.block_size,
+                         sample_rows=lay.sample_rows, modes=lay.modes, device=device, captures=lay.captures)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], state_slots: list[int],

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstate.engine.runner import ModelRunner, batch_spec
-from kvstate.models.batch import BatchSpec
+from kvstate.engine.runner import ModelRunner, batch_layout
+from kvstate.models.batch import BatchLayout
 from kvstate.parallel.comm import DEFAULT_TIMEOUT, RankFailure, TPGroup, free_port
 
 
@@ -35,7 +35,7 @@ from kvstate.parallel.comm import DEFAULT_TIMEOUT, RankFailure, TPGroup, free_po
 class StepData:
     """What a worker needs of a SchedulerOutput (plain lists)."""
 
-    spec: BatchSpec | None  # the model's host lists, None for a step without a forward
+    layout: BatchLayout | None  # the model's host lists, None for a step without a forward
     ids: list[int] = field(default_factory=list)
     slot_copies: list = field(default_factory=list)
     block_copies: list = field(default_factory=list)
@@ -65,7 +65,7 @@ class TPRunner(ModelRunner):
 
     def execute(self, step):
         if not step.is_empty or step.slot_copies or step.block_copies:
-            self._send(StepData(None if step.is_empty else batch_spec(step),
+            self._send(StepData(None if step.is_empty else batch_layout(step),
                                 [] if step.is_empty else step.input_ids(),
                                 list(step.slot_copies), list(step.block_copies)))
         return super().execute(step)
@@ -103,8 +103,8 @@ def worker_loop(group: TPGroup, model) -> ModelRunner:
             continue
         runner.copy_slots(msg.slot_copies)
         runner.copy_blocks(msg.block_copies)
-        if msg.spec is not None:
-            runner.run(msg.spec, msg.ids)
+        if msg.layout is not None:
+            runner.run(msg.layout, msg.ids)
     return runner
 
 

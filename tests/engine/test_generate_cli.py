@@ -136,7 +136,7 @@ def test_every_option_has_help_and_its_default():
     parser = argparse.ArgumentParser()
     configure(parser)
     for action in parser._actions:
-        if action.dest == "help":
+        if action.dest == "help" or action.help == argparse.SUPPRESS:  # help, and the hidden old spellings
             continue
         assert action.help, action.dest
         if action.default not in (None, False) and action.dest != "prompt":

@@ -12,7 +12,7 @@ so the test can fail.
 import torch
 
 from kvstate import LLM, SamplingParams
-from kvstate.bench.spec import copy_prompt
+from kvstate.bench.speculative import copy_prompt
 from kvstate.engine.sampling import process_logits
 from kvstate.models.generate import forward_logits
 

@@ -39,5 +39,5 @@ def test_vllm_flag_name_is_an_alias():
     parser = argparse.ArgumentParser()
     configure(parser)
     for flag in ("--prefix-caching", "--enable-prefix-caching"):
-        assert parser.parse_args(["--model", "m", "hi", flag]).prefix_caching
-    assert not parser.parse_args(["--model", "m", "hi"]).prefix_caching
+        assert parser.parse_args(["--model", "m", "hi", flag]).enable_prefix_caching
+    assert not parser.parse_args(["--model", "m", "hi"]).enable_prefix_caching

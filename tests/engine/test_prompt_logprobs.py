@@ -138,6 +138,7 @@ def test_lm_head_runs_in_chunks_of_positions(qwen, monkeypatch):
 def test_a_runner_that_cannot_score_prompts_refuses_the_request_alone(qwen):
     """Under TP (TPRunner.scores_prompts False) the LM head gathers from every rank: such a request is
     refused with its reason, and the requests beside it still run."""
+    from kvstate.engine.config import EngineConfig
     from kvstate.engine.core import EngineCore
     from kvstate.engine.runner import ModelRunner
     from kvstate.models.loader import load_model
@@ -146,7 +147,7 @@ def test_a_runner_that_cannot_score_prompts_refuses_the_request_alone(qwen):
         scores_prompts = False
 
     model, plan = load_model(qwen[0])
-    core = EngineCore(model, plan, cache_memory="16MiB", runner_class=NoScoring)
+    core = EngineCore(model, plan, config=EngineConfig(cache_memory="16MiB"), runner_class=NoScoring)
     core.add_request("scored", [1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=1))
     core.add_request("plain", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     done = {}

@@ -56,14 +56,14 @@ def test_chunked_prefill_feeds_the_prompt_in_pieces_and_samples_once():
 
 def test_scheduler_output_builds_the_models_batch():
     pytest.importorskip("torch")
-    from kvstate.engine.runner import batch_spec
+    from kvstate.engine.runner import batch_layout
     from kvstate.models.batch import Batch
 
     s = make(block_size=4, budget=12)
     s.add("a", [1, 2, 3, 4, 5, 6], GREEDY)
     s.add("b", [7, 8, 9, 10, 11, 12, 13, 14, 15], GREEDY)
     sched = s.schedule()  # a: 6 tokens, b: first 6 of 9
-    batch = Batch.from_spec(batch_spec(sched))
+    batch = Batch.from_layout(batch_layout(sched))
     assert batch.query_lens == [6, 6] and sched.sample_indices == [0]
     assert batch.cu_seqlens.tolist() == [0, 6, 12] and len(sched.input_ids()) == 12
     table_b = sched.block_tables[1]
@@ -71,7 +71,7 @@ def test_scheduler_output_builds_the_models_batch():
     assert batch.state_slots.tolist() == sched.state_slots and len(set(sched.state_slots)) == 2
     s.postprocess(sched, [5])
     sched = s.schedule()  # a decodes at position 6, b finishes its prompt
-    batch = Batch.from_spec(batch_spec(sched))
+    batch = Batch.from_layout(batch_layout(sched))
     assert batch.positions.tolist() == [6, 6, 7, 8] and batch.context_lens == [6, 6]
 
 

@@ -1,4 +1,4 @@
-"""`kvstate bench spec --quick` runs end to end and prints well-formed JSON (no timing is asserted)."""
+"""`kvstate bench speculative --quick` runs end to end and prints well-formed JSON (no timing is asserted)."""
 
 import json
 
@@ -8,8 +8,8 @@ from kvstate.cli import main
 
 
 def test_bench_spec_quick(capsys):
-    assert main(["bench", "spec", "--quick", "--ks", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
-                 "--json", "--threads", "1"]) == 0
+    assert main(["bench", "speculative", "--quick", "--ks", "2", "--prompt-len", "8", "--new-tokens", "4",
+                 "--repeats", "1", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["method"]: r for r in out["rows"]}
     assert set(rows) == {"oracle", "ngram", "draft", "mtp"}
@@ -20,10 +20,10 @@ def test_bench_spec_quick(capsys):
 
 def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
     """--model takes a shipped model's name; its copy-heavy prompt is a chat asking to repeat a passage."""
-    from kvstate.bench.spec import copy_prompt
+    from kvstate.bench.speculative import copy_prompt
     from kvstate.llm import LLM
 
-    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+    assert main(["bench", "speculative", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
                  "--new-tokens", "6", "--repeats", "1", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"].startswith("kvstate-phonebook-hybrid") and [r["method"] for r in out["rows"]] == ["ngram"]
@@ -38,7 +38,7 @@ def test_bench_spec_on_a_chat_model_drafts_from_a_repeat_this_prompt(capsys):
 
 def test_bench_spec_mtp_row_on_the_shipped_hybrid(capsys):
     """The shipped hybrid carries a trained MTP head: its mtp rows draft, accept some, and stay exact."""
-    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "mtp", "--new-tokens", "8",
+    assert main(["bench", "speculative", "--model", "kvstate-phonebook-hybrid", "--methods", "mtp", "--new-tokens", "8",
                  "--repeats", "1", "--json", "--threads", "1"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["k"] for r in rows] == [1, 2, 3] and all(r["exact"] for r in rows)
@@ -47,7 +47,7 @@ def test_bench_spec_mtp_row_on_the_shipped_hybrid(capsys):
 
 @pytest.mark.parametrize("ks", ["x", "0", "2,,4"])
 def test_bench_spec_bad_ks_is_one_line(capsys, ks):
-    assert main(["bench", "spec", "--quick", "--ks", ks]) == 2
+    assert main(["bench", "speculative", "--quick", "--ks", ks]) == 2
     err = capsys.readouterr().err
     assert "--ks" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -66,7 +66,7 @@ def test_bench_spec_times_drafted_and_plain_runs_in_turn(capsys, monkeypatch):
         return real(self, prompts, params, **kw)
 
     monkeypatch.setattr(LLM, "generate", generate)
-    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+    assert main(["bench", "speculative", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
                  "--new-tokens", "6", "--repeats", "3", "--json", "--threads", "1"]) == 0
     json.loads(capsys.readouterr().out)
     assert kinds[-6:] == ["spec", "plain"] * 3
@@ -77,7 +77,7 @@ def test_bench_spec_speed_is_fastest_full_run_minus_fastest_first_token(capsys, 
     run slowed by the machine does not make its own pair look fast. On a scripted clock (each
     decoder's 1-token runs take 3 s once and 1 s once, 6-token runs 5 s) every row is 5 / (5 - 1)
     tokens/s; pairing each 1-token run with its own 6-token run gave 5 / (5 - 3)."""
-    import kvstate.bench.spec as spec
+    import kvstate.bench.speculative as spec
     from kvstate.llm import LLM
 
     clock = [0.0]
@@ -93,7 +93,7 @@ def test_bench_spec_speed_is_fastest_full_run_minus_fastest_first_token(capsys, 
 
     monkeypatch.setattr(LLM, "generate", generate)
     monkeypatch.setattr(spec, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
-    assert main(["bench", "spec", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
+    assert main(["bench", "speculative", "--model", "kvstate-phonebook-hybrid", "--methods", "ngram", "--ks", "2",
                  "--new-tokens", "6", "--repeats", "2", "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plain_tokens_per_s"] == {"random": 1.25, "copy-heavy": 1.25}

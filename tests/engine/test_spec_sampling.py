@@ -13,7 +13,7 @@ from kvstate.engine.params import SamplingParams
 from kvstate.engine.sampling import process_logits
 from kvstate.engine.speculative.config import SpeculativeConfig
 from kvstate.engine.speculative.ngram import NgramDrafter
-from kvstate.engine.speculative.rejection import verify_one
+from kvstate.engine.rejection import verify_one
 from kvstate.errors import KvstateError
 
 CRITICAL = 20.5  # chi-square, 5 degrees of freedom, p = 0.001

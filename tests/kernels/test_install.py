@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstate.kernels import _ext, build
+from kvstate.kernels import _compile, _ext, build
 from tests.kernels.conftest import extension
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_the_build_key_follows_the_sources(tmp_path, monkeypatch):
     copy.mkdir()
     for p in _ext.sources():
         copy.joinpath(p.name).write_bytes(p.read_bytes())
-    monkeypatch.setattr(_ext, "CSRC", copy)
+    monkeypatch.setattr(_compile, "CSRC", copy)  # where the build reads its sources
     assert _ext.build_key() == key  # the same bytes: the same build, wherever they are installed
     (copy / "gemv.cpp").write_text((copy / "gemv.cpp").read_text() + "\n// edited\n")
     assert _ext.build_key() != key  # an edited kernel never loads an older build
@@ -61,7 +61,7 @@ def test_a_failed_compile_is_one_line_and_not_retried_by_each_process(tmp_path):
     broken = tmp_path / "csrc"
     broken.mkdir()
     (broken / "broken.cpp").write_text('#error "kvstate test: this does not compile"\n')
-    code = ("from kvstate.kernels import _ext; from pathlib import Path; _ext.CSRC = Path(%r); "
+    code = ("from kvstate.kernels import _compile, _ext; from pathlib import Path; _compile.CSRC = Path(%r); "
             "print(_ext.load() is None, '|', _ext.unavailable_reason())") % str(broken)
     first = _child(code, tmp_path)
     assert first.stdout.startswith("True |") and "build failed" in first.stdout, first.stderr

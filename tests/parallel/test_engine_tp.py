@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from kvstate.cache.spec import cache_spec
 from kvstate.cli import main
 from kvstate.families import read_plan
+from kvstate.engine.config import EngineConfig
 from kvstate.engine.core import EngineCore
 from kvstate.llm import LLM
 from kvstate.engine.params import SamplingParams
@@ -81,8 +82,9 @@ def run_tp(checkpoints, families, size, tmp_path) -> dict:
     results = {}
     for fam, path in zip(families, paths):
         model, plan = load_shard(path, group)
-        core = EngineCore(model, plan, cache_memory=budget(plan, size, 12), block_size=BLOCK, max_num_seqs=SEQS,
-                          max_num_batched_tokens=8, runner_class=partial(TPRunner, group=group))
+        config = EngineConfig(cache_memory=budget(plan, size, 12), block_size=BLOCK, max_num_seqs=SEQS,
+                              max_num_batched_tokens=8)
+        core = EngineCore(model, plan, config=config, runner_class=partial(TPRunner, group=group))
         tokens, preempted = run_workload(core)
         results[fam] = dict(tokens=tokens, preempted=preempted, pools=core.runner.pool_bytes,
                             sizes=core.runner.sizes, kv=read_plan(path).layer_string)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from kvstate.engine.config import EngineConfig
 from kvstate.engine.core import EngineCore
 from kvstate.llm import LLM
 from kvstate.engine.params import SamplingParams
@@ -55,9 +56,10 @@ def test_prefix_caching_and_ngram_speculation_at_tp2(paths, tmp_path):
     group = TPGroup(0, 2, port, timeout=120)
     for path, ref in zip(paths, reference):
         model, plan = load_shard(path, group)
-        core = EngineCore(model, plan, cache_memory="32MiB", block_size=4, max_num_seqs=2, snapshot_interval=8,
-                          enable_prefix_caching=True, runner_class=partial(TPRunner, group=group),
-                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        config = EngineConfig(cache_memory="32MiB", block_size=4, max_num_seqs=2, snapshot_interval=8,
+                              enable_prefix_caching=True, speculative_config={"method": "ngram",
+                                                                              "num_speculative_tokens": 3})
+        core = EngineCore(model, plan, config=config, runner_class=partial(TPRunner, group=group))
         assert chat(core) == ref, path
         stats = core.stats()
         core.runner.close()

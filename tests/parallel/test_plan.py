@@ -74,6 +74,7 @@ def test_default_cache_budget_is_the_rank_plans_need():
     """With no cache_memory, a TP engine sizes its budget from the rank's cache (not the whole model's)."""
     from types import SimpleNamespace
 
+    from kvstate.engine.config import EngineConfig
     from kvstate.engine.core import EngineCore
     from kvstate.engine.runner import ModelRunner
     from tests.models.checks import build_on_meta
@@ -82,7 +83,7 @@ def test_default_cache_budget_is_the_rank_plans_need():
     local = shard_plan(plan, 2)
     model = build_on_meta(local)  # on meta: the pools are allocated on meta too (no memory)
     model.tp_group = SimpleNamespace(size=2)
-    core = EngineCore(model, plan, max_num_seqs=2, max_model_len=64, block_size=16,
+    core = EngineCore(model, plan, config=EngineConfig(max_num_seqs=2, max_model_len=64, block_size=16),
                       runner_class=lambda m, p, **kw: ModelRunner(m, m.plan, **kw))
     spec = cache_spec(local, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
     assert core.runner.pool_bytes == {"kv": core.runner.sizes.num_blocks * 16 * spec.kv_bytes_per_token,

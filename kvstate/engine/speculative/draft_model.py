@@ -29,7 +29,7 @@ class _Held:
     done: int = 0  # the request's tokens in `slot` and in the KV blocks
 
 
-def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, max_tokens: int, k: int) -> tuple[int, int]:
+def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, k: int) -> tuple[int, int]:
     """(fixed bytes, bytes per target token) of a draft model's pools, `spec` its cache spec: two state
     slots per request, and KV for every token the target holds plus each request's drafts and a block.
     The engine takes this out of --cache-memory before sizing the target's pools (no torch)."""
@@ -39,17 +39,16 @@ def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, max_tokens: in
 
 
 class DraftModelDrafter:
-    def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, max_tokens: int, k: int):
-        """`max_tokens`: the most tokens held at once by all requests (the target's KV capacity)."""
+    def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, kv_capacity_tokens: int, k: int):
+        """`kv_capacity_tokens`: the most tokens held at once by all requests (the target's KV capacity)."""
         from kvstate.cache.spec import cache_spec
         from kvstate.engine.runner import ModelRunner
 
         spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
         slots = 2 * max_num_seqs
-        tokens = max_tokens + max_num_seqs * (k + block_size)
-        fixed, per_token = draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size,
-                                            max_tokens=max_tokens, k=k)
-        budget = fixed + max_tokens * per_token
+        tokens = kv_capacity_tokens + max_num_seqs * (k + block_size)
+        fixed, per_token = draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, k=k)
+        budget = fixed + kv_capacity_tokens * per_token
         self.runner = ModelRunner(model, plan, cache_bytes=budget, block_size=block_size, num_slots=slots,
                                   max_model_len=tokens)
         self.blocks = BlockManager(self.runner.sizes.num_blocks, block_size)
@@ -66,7 +65,7 @@ class DraftModelDrafter:
                                f"target's ({core.plan.vocab_size})")
         cfg = core.scheduler.config
         return cls(model, plan, max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
-                   max_tokens=cfg.num_blocks * cfg.block_size, k=k)
+                   kv_capacity_tokens=cfg.num_blocks * cfg.block_size, k=k)
 
     def release(self, seq) -> None:
         h = self.held.pop(seq, None)

@@ -1,4 +1,4 @@
-"""`kvstate bench spec`: speculative decoding's acceptance rate and batch-1 decode tokens/s, with and without.
+"""`kvstate bench speculative`: speculative decoding's acceptance rate and batch-1 decode tokens/s, with and without.
 
 One target model (a random ~0.5B Qwen3.5-style checkpoint; `--quick`: a small one; `--model`: any
 checkpoint or shipped model's name), one engine; only the proposer changes between runs, so every
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 "ngram": ("copy-heavy", lambda k: NgramDrafter(1, 4)),
                 "draft": ("random", lambda k: DraftModelDrafter(draft[0], draft[1], max_num_seqs=1,
                                                                 block_size=core.scheduler.config.block_size,
-                                                                max_tokens=core.max_model_len, k=k)),
+                                                                kv_capacity_tokens=core.max_model_len, k=k)),
                 "mtp": ("copy-heavy" if llm.tokenizer is not None and llm.tokenizer.chat_template else "random",
                         lambda k: MtpDrafter(core.runner, core.scheduler.blocks))}
     for method in methods:
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{result['model']}; batch 1, greedy, {new} new tokens; fp32, {result['threads']} threads; "
                   + ", ".join(f"plain {k} prompt {v:.1f} tok/s" for k, v in result["plain_tokens_per_s"].items()),
                   soft_wrap=True)
-    table = Table(title="kvstate bench spec")
+    table = Table(title="kvstate bench speculative")
     for col in ("drafter", "prompt", "k", "acceptance", "tokens/step", "tok/s", "vs plain", "exact"):
         table.add_column(col, justify="left" if col in ("drafter", "prompt") else "right")
     for r in rows:
