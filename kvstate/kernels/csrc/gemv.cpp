@@ -209,6 +209,13 @@ namespace kvstate::op {
 Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& scale, const std::string& isa) {
   return ::linear(x, w, c10::nullopt, isa, false, scale);
 }
+std::string vector_isa() {
+  std::vector<std::string> have;
+  if (has_avx512()) have.push_back("avx512");
+  if (has_avx2()) have.push_back("avx2");
+  TORCH_CHECK(!have.empty(), "kvstate kernels: this CPU has neither AVX-512 nor AVX2+FMA");
+  return auto_isa(have);
+}
 }  // namespace kvstate::op
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
