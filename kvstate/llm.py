@@ -60,6 +60,17 @@ def check_salt(salt) -> None:
         raise KvstateError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
 
 
+def _set_activation_dtype(config: EngineConfig) -> None:
+    """Apply `activation_dtype` (kernels.activation: process-wide, so the last LLM built sets it), or
+    one clear error where this CPU or the kernels cannot run it."""
+    from kvstate.kernels.activation import set_activation_dtype
+
+    if config.activation_dtype != "fp32" and config.tensor_parallel_size != 1:
+        raise KvstateError(f"activation_dtype {config.activation_dtype}: not with tensor parallelism (its worker "
+                           "processes keep fp32 math)")
+    set_activation_dtype(config.activation_dtype)
+
+
 class LLM:
     def __init__(self, model: str | os.PathLike, *, load_progress=None, config: EngineConfig | None = None,
                  **fields):
@@ -74,6 +85,7 @@ class LLM:
         if config is not None and fields:
             raise KvstateError("give LLM an EngineConfig or its fields as keywords, not both")
         config = EngineConfig(**fields) if config is None else config
+        _set_activation_dtype(config)
         path = resolve_checkpoint(model)
         runner_class = None
         if config.tensor_parallel_size != 1:

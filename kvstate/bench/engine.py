@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from kvstate.gguf import is_gguf
@@ -63,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "with --llama-bench, N batch-1 runs of kvstate and llama.cpp, and N rounds of "
                              "--depth on each side) and print the median ratios (a noisy machine's minutes differ)")
     add_weight_dtype(parser)
+    parser.add_argument("--quant-baseline", metavar="PATH", default=None,
+                        help="the unquantized model a quantized --model FILE.gguf is held against (KL divergence, "
+                             "top-1 agreement; loaded in fp32); --weight-dtype is held against --model in fp32")
     parser.add_argument("--activation-dtype", choices=("fp32", "bf16", "bf16x3"), default="fp32",
                         help="bf16 weights on AVX512_BF16 CPUs: fp32 math (default, exact), bf16 (x rounded, "
                              "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); "
@@ -72,8 +76,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _check_args(args, batches: list[int]) -> None:
     """--llama-bench and --gguf come together and name files, and --rounds has two sides to alternate:
     one clear line before any work (counts below 1 are refused when parsed)."""
-    from pathlib import Path
-
     from kvstate.errors import KvstateError
 
     if args.llama_bench and not args.gguf and args.model and is_gguf(args.model):  # llama.cpp on the same file
@@ -171,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     most = max(batches + profile_batches)  # the engine runs the largest measured or profiled batch at once
     deepest = max(depths, default=0) + max(prefill_len, new)  # --depth's longest prompt and reply
     llm_args = dict(max_num_seqs=most, max_num_batched_tokens=max(prefill_len, most * plen),
-                    max_model_len=max(prefill_len, plen + new, deepest) + 16, weight_dtype=args.weight_dtype)
+                    max_model_len=max(prefill_len, plen + new, deepest) + 16, weight_dtype=args.weight_dtype,
+                    activation_dtype=args.activation_dtype)
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
             llm, hf, label, path = _sides(args, tmp, llm_args)
@@ -180,12 +183,7 @@ def run(args: argparse.Namespace) -> int:
         from kvstate.bench.depth import engine_part
 
         result.update(engine_part(args, console, llm, depths, prefill_len, new))
-        if args.weight_dtype in QUANTIZED_WEIGHT_DTYPES:  # what it costs in logits, against the checkpoint in fp32
-            from kvstate.bench.quant_error import logit_error
-
-            with console.status(f"{args.weight_dtype} logits against the fp32 model"):
-                ids = torch.randint(0, llm.plan.vocab_size, (plen,), generator=torch.Generator().manual_seed(1))
-                result[f"{args.weight_dtype}_logit_error"] = logit_error(path, llm.model, ids.tolist())
+        result.update(_quant_error(args, console, llm, path, plen, result["weight_dtype"]))
         result["activation_dtype"] = args.activation_dtype
         if args.activation_dtype != "fp32":  # what rounding the activations costs, against the exact mode
             from kvstate.bench.quant_error import activation_error
@@ -200,6 +198,30 @@ def run(args: argparse.Namespace) -> int:
 
     show(console, result)
     return 0
+
+
+def _quant_error(args, console, llm, path, plen: int, label: str) -> dict:
+    """What quantized weights cost in logits against the fp32 model, on one random prompt: --weight-dtype
+    against the checkpoint in fp32, a GGUF file's blocks against --quant-baseline."""
+    import torch
+
+    from kvstate.bench.quant_error import logit_error
+
+    baseline = path if args.weight_dtype in QUANTIZED_WEIGHT_DTYPES else args.quant_baseline
+    if baseline is None:
+        if _block_types(llm.model):
+            return dict(quant_baseline_missing=f"{label} weights: no fp32 model to hold them against (give "
+                                               "--quant-baseline CHECKPOINT_OR_GGUF for KL and top-1 agreement)")
+        return {}
+    name = "the same checkpoint in fp32" if baseline is path else f"{Path(str(baseline)).name} in fp32"
+    with console.status(f"{label} logits against the fp32 model"):
+        ids = torch.randint(0, llm.plan.vocab_size, (plen,), generator=torch.Generator().manual_seed(1))
+        return dict(quant_logit_error=dict(logit_error(baseline, llm.model, ids.tolist()), baseline=name))
+
+
+def _block_types(model) -> list[str]:
+    """The GGML block types a model's projections hold (a quantized GGUF file's), sorted."""
+    return sorted({m.weight_format for m in model.modules() if getattr(m, "weight_format", None)})
 
 
 class Shape(NamedTuple):
@@ -338,8 +360,9 @@ def _measure(args, console, machine: tuple, llm, hf, label, shape: Shape):
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]
     scaling = ends[0] / ends[1] if all(ends) else None
+    blocks = _block_types(llm.model)
     wdtype = args.weight_dtype if args.weight_dtype in QUANTIZED_WEIGHT_DTYPES \
-        else str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
+        else "+".join(blocks) if blocks else str(llm.model.lm_head.weight.dtype).removeprefix("torch.")
     from kvstate.kernels import hugepages
 
     result = dict(model=f"{label} ({llm.plan.params.total / 1e9:.2f}B, {llm.plan.layer_string})", weight_dtype=wdtype,
@@ -351,5 +374,5 @@ def _measure(args, console, machine: tuple, llm, hf, label, shape: Shape):
                                huge_page_bytes=hugepages.huge_bytes(), huge_pages_off=hugepages.unavailable_reason()),
                   rows=rows, speedup_vs_transformers=ratios, decode_scaling=scaling, decode_step_rounds=step_rounds,
                   step_profile=profiles, llama_cpp=llama_rows, vs_llama_cpp=vs_llama,
-                  vs_llama_cpp_rounds=rounds, int8_logit_error=None)
+                  vs_llama_cpp_rounds=rounds, quant_logit_error=None)
     return result

@@ -37,12 +37,13 @@ def show(console, result: dict) -> None:
                       f"{gbps:.1f}" if gbps else "-",
                       f"{100 * gbps / m['read_bandwidth_gbps']:.0f}%" if gbps else "-")
     console.print(table)
-    q = result.get(f"{result['weight_dtype']}_logit_error")  # quantized weights (int8, q8_0, q4_k, ...)
+    q = result.get("quant_logit_error")  # quantized weights (int8, q8_0, q4_k, a quantized GGUF file)
     if q:
-        console.print(f"{result['weight_dtype']} weights vs the same checkpoint in fp32, one {q['positions']}-token "
-                      "prompt: logits "
-                      f"{100 * q['rel']:.2f}% relative error (worst position {100 * q['max_rel']:.2f}%), "
-                      f"top-1 token the same at {100 * q['top1']:.1f}% of positions")
+        console.print(f"{result['weight_dtype']} weights vs {q['baseline']}, one {q['positions']}-token prompt: "
+                      f"KL divergence {q['kl']:.5f} nats (worst position {q['max_kl']:.5f}), top-1 token the same "
+                      f"at {100 * q['top1']:.1f}% of positions, logits {100 * q['rel']:.2f}% relative error")
+    elif result.get("quant_baseline_missing"):
+        console.print(result["quant_baseline_missing"])
     a = result.get("activation_logit_error")
     if a:
         console.print(f"{result['activation_dtype']} activations vs fp32 math, same weights, one "

@@ -9,8 +9,9 @@ The recipe of `shared/reference/llama-cpp-anchor.md` as code, so the comparison 
 - `run_llama_bench(binary, gguf)`: `llama-bench -o json`, parsed to prefill / decode tokens/s.
 
 Make the files (once, minutes): `python -m kvstate.bench.llama_cpp --source LLAMA_CPP_DIR --out DIR
---outtype f32,bf16 [--quantize q8_0,q4_k_m --llama-quantize BIN]` (`quantize`: llama-quantize on the
-bf16 file); then `kvstate bench engine --llama-bench BIN --gguf DIR/f32.gguf --gguf ...`, or
+--outtype f32,bf16 [--size 0.8b] [--quantize q8_0,q4_k_m] [--llama-quantize BIN]` (`quantize`:
+llama-quantize on the bf16 file, by default Q8_0 and Q4_K_M with the binary of LLAMA_CPP_DIR/build/bin
+where it is built); then `kvstate bench engine --llama-bench BIN --gguf DIR/f32.gguf --gguf ...`, or
 `kvstate bench engine --model DIR/qwen35-0.5b-q8_0.gguf --llama-bench BIN` (both on that one file).
 """
 
@@ -158,14 +159,18 @@ def interleaved(binary: str, ggufs: list[str], *, threads: int, gen: int, decode
 
 def make_checkpoint(directory: str | Path, size: str = "0.5b") -> Path:
     """The bench's random Qwen3.5-style checkpoint in `directory` with a byte-level BPE tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from kvstate.bench.checkpoints import SIZES, qwen3_5_checkpoint
+    from kvstate.gguf.tokenizer import PRE_TOKENIZERS
 
     path, _ = qwen3_5_checkpoint(size, str(directory))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's split regex: the pre-tokenizer `convert` names ("qwen2"), so the GGUF files tokenize as this does
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen2"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=SIZES[size]["vocab_size"], special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -216,11 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True, help="llama.cpp source tree (has convert_hf_to_gguf.py)")
     parser.add_argument("--out", required=True, help="folder for the checkpoint and the GGUF files")
     parser.add_argument("--outtype", default="f32,bf16", help="comma-separated: f32, bf16, q8_0, ...")
-    parser.add_argument("--size", default="0.5b", help="bench checkpoint size (0.5b or quick)")
+    parser.add_argument("--size", default="0.5b", help="bench checkpoint size (0.5b, 0.8b: Qwen3.5-0.8B's config, "
+                                                       "or quick)")
     parser.add_argument("--quantize", default=None, metavar="LIST",
-                        help=f"also write these from the bf16 file with llama-quantize ({', '.join(QUANT_TYPES)})")
-    parser.add_argument("--llama-quantize", default=None, metavar="PATH", help="llama.cpp's llama-quantize binary")
+                        help=f"also write these from the bf16 file with llama-quantize ({', '.join(QUANT_TYPES)}; "
+                             "default q8_0,q4_k_m where the binary is found, '' for none)")
+    parser.add_argument("--llama-quantize", default=None, metavar="PATH",
+                        help="llama.cpp's llama-quantize binary (default: SOURCE/build/bin/llama-quantize)")
     args = parser.parse_args(argv)
+    found = Path(args.source) / "build" / "bin" / "llama-quantize"
+    if args.llama_quantize is None and found.is_file():
+        args.llama_quantize = str(found)
+    if args.quantize is None:
+        args.quantize = "q8_0,q4_k_m" if args.llama_quantize else ""
+        if not args.llama_quantize:
+            print(f"no llama-quantize at {found}: writing no quantized files (--llama-quantize PATH)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -239,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             if not bf16.is_file():
                 convert(args.source, ckpt, "bf16", bf16)
             for qtype in args.quantize.split(","):
+                if not qtype:
+                    continue
                 target = out / f"qwen35-{args.size}-{qtype}.gguf"
                 print(f"quantizing to {target}", flush=True)
                 quantize(args.llama_quantize, bf16, qtype, target)

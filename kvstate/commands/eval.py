@@ -115,7 +115,8 @@ def _evaluate(args, model_path: Path, ids: list[int], load_model) -> int:
                 base_scores = theirs
             if keep is not None:
                 keep.save(Path(args.save_base))
-            name = dtype or str(model.lm_head.weight.dtype).removeprefix("torch.")
+            blocks = sorted({m.weight_format for m in model.modules() if getattr(m, "weight_format", None)})
+            name = dtype or "+".join(blocks) or str(model.lm_head.weight.dtype).removeprefix("torch.")
             rows.append({"weight_dtype": name, **mine.summary(base_scores)})
     report = {"model": str(model_path), "tokens": len(ids), "context": args.context, "stride": stride,
               "windows": len(windows), "kl_base": base_name, "rows": rows}

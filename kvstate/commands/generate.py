@@ -22,7 +22,8 @@ from kvstate.errors import KvstateError, UnknownTokenWarning
 
 
 # the EngineConfig fields generate takes as options (kvstate.engine.config documents each)
-ENGINE_ARGS = ("seed", "cache_memory", "max_model_len", "tensor_parallel_size", "enable_prefix_caching", "weight_dtype")
+ENGINE_ARGS = ("seed", "cache_memory", "max_model_len", "tensor_parallel_size", "enable_prefix_caching", "weight_dtype",
+               "activation_dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from kvstate.terminal.arg_types import count_arg
 from kvstate.terminal.engine_args import add_engine_args, add_speculative_args
 from kvstate.errors import KvstateError
-from kvstate.server.limits import (CHARS_PER_TOKEN, DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_IDLE_TIMEOUT,
+from kvstate.server.limits import (ACCEPT_BACKLOG, CHARS_PER_TOKEN, DEFAULT_GRACEFUL_SHUTDOWN, DEFAULT_IDLE_TIMEOUT,
                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_SEQUENCES)
 
 BUNDLED_MODELS = Path(__file__).resolve().parent.parent / "data" / "models"  # <name>/config.json + weights
@@ -51,7 +51,8 @@ def _seconds(text: str) -> float:
 
 # the EngineConfig fields serve takes as options (kvstate.engine.config documents each)
 ENGINE_ARGS = ("cache_memory", "max_model_len", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
-               "enable_prefix_caching", "snapshot_interval", "snapshot_memory", "seed", "weight_dtype")
+               "enable_prefix_caching", "snapshot_interval", "snapshot_memory", "seed", "weight_dtype",
+               "activation_dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
               f"(OpenAI API /v1, explorer /, metrics /metrics)", file=sys.stderr, flush=True)
         raise_fd_limit()
         config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", http=protocol_with(args.timeout_idle),
-                                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                                timeout_graceful_shutdown=args.timeout_graceful_shutdown, backlog=ACCEPT_BACKLOG)
         ServeServer(config, app.state.engine_loop).run(sockets=[sock])
     finally:
         sock.close()

@@ -18,13 +18,15 @@ class ModelOptions:
     rope_theta: float | None = 10000.0  # None: attention without positional encoding (Jamba, Nemotron-H)
     partial_rotary_factor: float = 1.0  # fraction of each head's dims that rotate
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": 8, ...}
-    attention_bias: bool = False  # q/k/v projections
-    attention_out_bias: bool = False
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Qwen3.5)
-    mlp_bias: bool = False
     router: dict[str, Any] = field(default_factory=dict)  # kvstate.layers.moe.Router keyword arguments
     shared_expert_gate: bool = False  # shared expert output scaled by sigmoid(linear(x)) (Qwen)
     mixer: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mixer kind, e.g. {"mamba2": {...}}
+    # Falcon-H1's multipliers: per kind (input, output) of side-by-side mixers; the gate and down
+    # projections' outputs of the MLP; the embeddings; the logits
+    mixer_scales: dict[str, tuple[float, float]] = field(default_factory=dict)
+    mlp_scales: tuple[float, float] = (1.0, 1.0)
+    embedding_scale: float = 1.0
+    logits_scale: float = 1.0
 
     def for_mixer(self, kind: str) -> dict[str, Any]:
         return dict(self.mixer.get(kind, {}))

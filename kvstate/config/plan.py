@@ -97,6 +97,15 @@ class LayerSpec:
     def kinds(self) -> tuple[str, ...]:
         return tuple(m.kind for m in self.mixers)
 
+    @property
+    def mixer_names(self) -> tuple[str, ...]:
+        """Each mixer's module path in the block: "mixer" alone, "mixer.<kind>" side by side."""
+        if len(self.mixers) == 1:
+            return ("mixer",)
+        if len(set(self.kinds)) != len(self.mixers):
+            raise ValueError(f"layer {self.index}: two side-by-side mixers of one kind ({', '.join(self.kinds)})")
+        return tuple(f"mixer.{kind}" for kind in self.kinds)
+
 
 @dataclass(frozen=True, slots=True)
 class ParamEstimate:

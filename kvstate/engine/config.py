@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvstate.engine.speculative.config import SpeculativeConfig
+from kvstate.errors import KvstateError
+
+# the precisions of bf16-weight linears (kernels.activation.PARTS: the kernels' names for them)
+ACTIVATION_DTYPES = ("fp32", "bf16", "bf16x3")
 
 
 def _setting(default, help: str, *, flags: tuple[str, ...] = (), metavar: str | None = None,
@@ -60,11 +64,18 @@ class EngineConfig:
     weight_dtype: str | None = _setting(
         None, "keep the weight matrices in bf16 or fp32, or the projections in int8 with per-row scales, or in "
               "GGML's q8_0, q4_0 or q4_k blocks; math stays fp32", metavar="DTYPE", shown="the checkpoint's")
+    activation_dtype: str = _setting(
+        "fp32", "bf16 weights on CPUs with AVX512_BF16 (Zen 4 and later): fp32 math (exact), bf16 (each linear's "
+                "input rounded to bf16, as llama.cpp's bf16; faster, logits ~2% off) or bf16x3 (near-exact); "
+                "process-wide", metavar="DTYPE")
     tensor_parallel_size: int = _setting(
         1, "shard the model and its caches over N processes (tensor parallelism); --cache-memory is then per "
            "process", flags=("--tp", "--tensor-parallel-size"), metavar="N")
 
     def __post_init__(self):
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise KvstateError(f"activation_dtype {self.activation_dtype!r}: expected one of "
+                               f"{', '.join(ACTIVATION_DTYPES)}")
         if self.speculative_config is not None:  # one error here, before any weights load
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

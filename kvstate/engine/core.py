@@ -161,11 +161,15 @@ class EngineCore:
         tokens = seq.output_token_ids[sent:]
         logprobs = list(seq.output_logprobs[sent:]) if seq.params.logprobs is not None else None
         text = seq.detokenizer.take() if seq.detokenizer is not None else ""
+        prompt_lp = None
+        if seq not in self._sent and seq.params.prompt_logprobs is not None:  # the first news: the prompt's scores
+            prompt_lp = seq.prompt_logprobs or [None]
         if not seq.is_finished:
             self._sent[seq] = seq.num_output_tokens
-            return EngineOutput(seq.request_id, tokens, text, False, logprobs=logprobs)
+            return EngineOutput(seq.request_id, tokens, text, False, logprobs=logprobs, prompt_logprobs=prompt_lp)
         self._sent.pop(seq, None)
-        return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq), logprobs=logprobs)
+        return EngineOutput(seq.request_id, tokens, text, True, self._request_output(seq), logprobs=logprobs,
+                            prompt_logprobs=prompt_lp)
 
     def _request_output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text or ""  # None without a tokenizer: token ids only

@@ -88,6 +88,9 @@ class EngineOutput:
     finished: bool
     output: RequestOutput | None = None  # the whole request, when finished
     logprobs: list | None = None  # per token of token_ids, as RequestOutput.logprobs (when asked for)
+    # the request's first news only, with SamplingParams.prompt_logprobs: RequestOutput.prompt_logprobs
+    # (a stream that echoes the prompt sends them first)
+    prompt_logprobs: list | None = None
 
 
 @dataclass

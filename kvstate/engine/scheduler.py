@@ -19,7 +19,10 @@ spends a budget of `max_num_batched_tokens` tokens in this order:
    (min(prompt, budget left)); otherwise admission stops (no overtaking, so long prompts are not
    starved). The queue (`FairQueue`) takes request groups in turn: one sequence of each client
    request (`add(..., group=)`) at a time, so one request's many prompts and samples cannot starve
-   a request sent after it; requests without a group are first come first served.
+   a request sent after it; requests without a group are first come first served. A group running
+   its fair share (max_num_seqs / groups running or waiting) is passed over while a group below it
+   waits, and when every sequence place is taken, the first step of `schedule` preempts one sequence
+   of the group furthest above its share for it (`fair_victim`; admissions resume the next step).
 
 A preempted sequence gives back its blocks and slot, goes to the front of the queue, and is
 later recomputed from scratch (prompt + outputs so far; its linear-layer state cannot be cut).
@@ -45,7 +48,7 @@ from typing import Callable, NamedTuple
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
 from kvstate.engine.detokenizer import IncrementalDetokenizer
-from kvstate.engine.fair_queue import FairQueue
+from kvstate.engine.fair_queue import FairQueue, fair_shares, fair_victim, group_key
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.request_check import check_request
 from kvstate.engine.scheduler_output import SchedulerOutput
@@ -181,6 +184,8 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: set[Sequence] = set()  # the sequences in this step
         budget -= self._schedule_flushes(step, budget, now)
+        counts, share = fair_shares(self.running, self.waiting, cfg.max_num_seqs)
+        self._yield_fairly(step, counts, share)
         if self.prefix is not None:
             room = cfg.max_num_seqs - len(self.running)  # the waiting requests this step may admit
             self.prefix.protect(islice(self.waiting, room) if self.waiting and room > 0 else ())
@@ -202,7 +207,7 @@ class Scheduler:
                     budget -= n
         while (not step.preempted and self.waiting and budget and len(self.running) < cfg.max_num_seqs
                and (self.slots.can_allocate() if self.prefix is None else self.prefix.free_slot())):
-            seq = self.waiting[0]
+            seq = self.waiting.pick(counts, share)
             if self.prefix is not None:  # starts from the longest cached prefix (slot and blocks taken)
                 n = self.prefix.admit(seq, budget, now, self._flushing, idle=not (self.running or step.seqs))
                 if n is None:
@@ -213,7 +218,8 @@ class Scheduler:
                     break
                 seq.state_slot = self.slots.allocate()
                 self.blocks.grow(seq.block_table, n)
-            self.waiting.popleft()
+            self.waiting.popleft(seq)
+            counts[group_key(seq)] += 1
             seq.status = RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -233,6 +239,18 @@ class Scheduler:
         step.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._pending = step
         return step
+
+    def _yield_fairly(self, step: SchedulerOutput, counts, share: float) -> None:
+        """When no sequence place is free and the group next in line runs below its fair share, preempt
+        one sequence of the group furthest above it (which blocks this step's admissions, as any
+        preemption does: the freed place is taken by the next step's pick)."""
+        places = min(self.config.max_num_seqs, self.config.num_slots - len(self._flushing))
+        if not self.waiting or len(self.running) < places:
+            return
+        victim = fair_victim(self.running, counts, share, self.waiting.pick(counts, share))
+        if victim is not None:
+            counts[group_key(victim)] -= 1
+            self._preempt(victim, step)
 
     def _fit(self, seq: Sequence, n: int, scheduled: set[Sequence], step: SchedulerOutput, *,
              preempt_self: bool) -> int:

@@ -63,10 +63,7 @@ def model_options(cfg: ConfigView) -> ModelOptions:
     if model_type not in _RUNNABLE:
         raise cfg.error("model_type", f"{model_type!r} can be planned but not run (runnable dense: "
                         f"{', '.join(_RUNNABLE)})")
-    bias = model_type == "qwen2" or cfg.bool("attention_bias", default=False)
-    return ModelOptions(norm_eps=eps(cfg), act=cfg.str("hidden_act", default="silu"), qk_norm=model_type == "qwen3",
-                        attention_bias=bias, attention_out_bias=cfg.bool("attention_bias", default=False),
-                        mlp_bias=cfg.bool("mlp_bias", default=False), **rope(cfg))
+    return ModelOptions(norm_eps=eps(cfg), act=cfg.str("hidden_act", default="silu"), **rope(cfg))
 
 
 def weight_targets(name: str, plan) -> list[Target] | None:

@@ -109,8 +109,7 @@ def model_options(cfg: ConfigView) -> ModelOptions:
               "topk_groups": cfg.int("topk_group", default=1),
               "scaling": float(cfg.raw("routed_scaling_factor", default=2.446))}  # transformers' default
     act = cfg.str("hidden_act", default="silu")
-    return ModelOptions(norm_eps=eps(cfg, default=1e-5), act=act, rope_theta=None,
-                        attention_bias=cfg.bool("attention_bias", default=False), router=router,
+    return ModelOptions(norm_eps=eps(cfg, default=1e-5), act=act, rope_theta=None, router=router,
                         mixer={"kda": {"act": act}})  # the short conv uses hidden_act too
 
 

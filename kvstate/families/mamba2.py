@@ -76,10 +76,8 @@ def dt_limit(cfg: ConfigView) -> tuple[float, float]:
 
 
 def mamba_options(cfg: ConfigView, *, limit: tuple[float, float], act: tuple[str, ...]) -> dict:
-    """The Mamba2 layer's keyword arguments: biases, dt clamp of the chunked scan, conv activation."""
-    return {"bias": cfg.bool("use_bias", default=False),
-            "conv_bias": cfg.bool("use_conv_bias", "mamba_conv_bias", default=True),
-            "dt_limit": limit, "act": cfg.str(*act, default="silu")}
+    """The Mamba2 layer's keyword arguments beyond the spec: dt clamp of the chunked scan, conv activation."""
+    return {"dt_limit": limit, "act": cfg.str(*act, default="silu")}
 
 
 def model_options(cfg: ConfigView) -> ModelOptions:

@@ -84,7 +84,7 @@ def model_options(cfg: ConfigView) -> ModelOptions:
     t_min = config_float(cfg, "time_step_min", cfg.raw("time_step_min", "mamba_dt_min", default=0.001))
     return ModelOptions(
         norm_eps=eps(cfg, "layer_norm_epsilon", default=1e-5), act=cfg.str("mlp_hidden_act", default="relu2"),
-        rope_theta=None, mlp_bias=cfg.bool("mlp_bias", default=False),
+        rope_theta=None,
         router={"kind": "sigmoid", "norm_topk": cfg.bool("norm_topk_prob", default=True),
                 "num_groups": cfg.int("n_group", default=1), "topk_groups": cfg.int("topk_group", default=1),
                 "scaling": float(cfg.raw("routed_scaling_factor", default=1.0))},

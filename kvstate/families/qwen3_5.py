@@ -102,7 +102,6 @@ _RULES = ((r"layers\.(\d+)\.linear_attn\.conv1d\.weight", r"layers.\1.mixer.conv
 def model_options(cfg: ConfigView) -> ModelOptions:
     """Zero-centred RMSNorm (1 + w), q/k norm, partial rotary, softmax routing with a gated shared expert."""
     return ModelOptions(norm_eps=eps(cfg), norm_offset=1.0, act=cfg.str("hidden_act", default="silu"),
-                        qk_norm=True, attention_bias=cfg.bool("attention_bias", default=False),
                         router={"kind": "softmax", "norm_topk": cfg.bool("norm_topk_prob", default=True)},
                         shared_expert_gate=True, **rope(cfg))
 

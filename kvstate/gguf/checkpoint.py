@@ -1,4 +1,4 @@
-"""A GGUF file as a checkpoint folder: config.json, tokenizer files and a link to the file.
+"""A GGUF file as a checkpoint folder: config.json, tokenizer files, a link to the file and its tensor table.
 
 Everything that opens a checkpoint directory (the loader, the tokenizer, the engine, the CLI)
 then opens a GGUF file unchanged. The folder lives in the kvstate cache
@@ -18,6 +18,7 @@ from pathlib import Path
 from kvstate.errors import KvstateError
 from kvstate.gguf import GGUF_LINK
 from kvstate.gguf.metadata import config_of, open_reader
+from kvstate.gguf.tensors import write_table
 from kvstate.gguf.tokenizer import write_tokenizer
 
 CACHE_ENV = "KVSTATE_GGUF_CACHE"
@@ -50,6 +51,7 @@ def checkpoint_dir(path: str | os.PathLike) -> Path:
         if reader.fields.get("tokenizer.ggml.tokens") is not None:
             write_tokenizer(reader, tmp)
         (tmp / GGUF_LINK).symlink_to(path.resolve())
+        write_table(reader, tmp)  # where the tensors lie: a load then skips parsing the metadata again
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tmp.replace(folder) if not folder.exists() else shutil.rmtree(tmp)
     except BaseException:

@@ -94,8 +94,55 @@ def _mamba2(reader, arch: str) -> dict[str, Any]:
                 tie_word_embeddings=not _has_tensor(reader, "output.weight"))
 
 
+def _nemotron_h(reader, arch: str) -> dict[str, Any]:
+    """nemotron_h and nemotron_h_moe (conversion/nemotron.py: NemotronHModel; a checkpoint whose config has
+    MoE fields, as transformers writes every one, becomes nemotron_h_moe even without experts). Each
+    block's kind is read from its tensors (the feed_forward_length array marks only the MoE blocks there)."""
+    def get(key, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise KvstateError(f"{reader.source}: GGUF metadata has no {arch}.{key}")
+        return value
+
+    layers = get("block_count")
+    names = {t.name: t for t in reader.tensors}
+    pattern = ""
+    for i in range(layers):
+        kind = ("M" if f"blk.{i}.ssm_in.weight" in names else "*" if f"blk.{i}.attn_q.weight" in names
+                else "E" if f"blk.{i}.ffn_up_exps.weight" in names else "-" if f"blk.{i}.ffn_up.weight" in names
+                else None)
+        if kind is None:
+            raise KvstateError(f"{reader.source}: block {i} has no mixer or MLP tensors (blk.{i}.ssm_in, attn_q, "
+                               "ffn_up)")
+        if kind == "E":
+            raise KvstateError(f"{reader.source}: block {i} is a MoE block; kvstate reads Nemotron-H GGUF files "
+                               "with Mamba-2, attention and MLP blocks (M * -)")
+        pattern += kind
+    inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
+    first = {k: pattern.index(k) for k in "M*-" if k in pattern}
+    kv = get("attention.head_count_kv")
+    eps = field(reader, f"{arch}.attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon")
+    cfg = dict(model_type="nemotron_h", hybrid_override_pattern=pattern, num_hidden_layers=layers,
+               hidden_size=get("embedding_length"), num_attention_heads=get("attention.head_count"),
+               num_key_value_heads=max(kv) if isinstance(kv, list) else kv, head_dim=get("attention.key_length"),
+               mamba_num_heads=heads, mamba_head_dim=inner // heads, ssm_state_size=get("ssm.state_size"),
+               n_groups=get("ssm.group_count"), conv_kernel=get("ssm.conv_kernel"), layer_norm_epsilon=eps,
+               max_position_embeddings=get("context_length"),
+               tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+    if "M" in first:
+        cfg.update(use_conv_bias=f"blk.{first['M']}.ssm_conv1d.bias" in names,
+                   use_bias=f"blk.{first['M']}.ssm_in.bias" in names)
+    if "*" in first:
+        cfg["attention_bias"] = f"blk.{first['*']}.attn_q.bias" in names
+    if "-" in first:
+        up = names[f"blk.{first['-']}.ffn_up.weight"]
+        cfg.update(intermediate_size=int(up.shape[-1]), mlp_bias=f"blk.{first['-']}.ffn_up.bias" in names)
+    return cfg
+
+
 # GGUF architecture -> its config reader
-ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2}
+ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2,
+                 "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h}
 MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 
 
@@ -118,9 +165,35 @@ def architecture(reader) -> str:
     return arch
 
 
+def _readable(qtype) -> bool:
+    """Whether kvstate reads tensors of `qtype`: a float type, or one gguf dequantizes (tried on one zero block)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    if qtype.name in ("F32", "F16", "BF16"):
+        return True
+    try:
+        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except (NotImplementedError, KeyError):
+        return False
+    return True
+
+
+def check_tensor_types(reader) -> None:
+    """One KvstateError for the first tensor of a type kvstate cannot read (from the headers alone)."""
+    verdicts: dict = {}
+    for t in reader.tensors:
+        if verdicts.setdefault(t.tensor_type, _readable(t.tensor_type)) is False:
+            raise KvstateError(f"{reader.source}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate "
+                               f"cannot read (supported: F32, F16, BF16 and the types gguf dequantizes)")
+
+
 def config_of(reader) -> dict[str, Any]:
-    """The HF config dict of an open reader."""
+    """The HF config dict of an open reader (its tensor types checked: a file kvstate cannot run is refused
+    before any plan is made of it)."""
     arch = architecture(reader)
+    check_tensor_types(reader)
     cfg = ARCHITECTURES[arch](reader, arch)
     cfg["vocab_size"] = vocab_size(reader)
     cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem

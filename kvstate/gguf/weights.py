@@ -9,14 +9,16 @@ a, b projections, A and dt_bias, the conv's value channels, the out projection's
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
 way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
-F32, F16 and BF16 tensors keep their dtype; any quantized type is dequantized with gguf's own
-`dequantize` to bfloat16 (one line on stderr per file says so).
+F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
+(`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
+the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
+quantized tensor is dequantized with gguf's own `dequantize` to bfloat16.
 """
 
 from __future__ import annotations
 
 import re
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 
 from kvstate.errors import KvstateError
-from kvstate.gguf.metadata import open_reader
+from kvstate.gguf.metadata import check_tensor_types, open_reader
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DEQUANT_ROWS = 4096
 
 # blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
 _LAYER = {
@@ -62,8 +65,15 @@ _MAMBA2_LAYER = {
 }
 _MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "backbone.norm_f.weight"}
+# Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
+_NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
+    ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
+    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in ("weight", "bias")}}
 # architecture -> (global names, per-layer names, layer prefix)
-_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers")}
+_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers"),
+          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers"),
+          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers")}
+_MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe")
 _QWEN = (_GLOBAL, _LAYER, "model.layers")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -88,11 +98,49 @@ def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
-    """The checkpoint's tensor from the converter's, for the checkpoint name `name`."""
+@dataclass
+class Blocks:
+    """A quantized matrix as the file's rows of blocks: raw uint8 [N, bytes per row] of `qtype` (a GGML
+    type name; `kernels.ggml_blocks.dequantize` gives the weights they mean)."""
+
+    raw: torch.Tensor
+    qtype: str
+
+
+def _block(qtype: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of the GGML type named `qtype` (gguf's table)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+
+
+def _reordered_columns(name: str, cfg: dict[str, Any]) -> bool:
+    """Whether undoing the converter permutes this tensor's columns (Qwen3.5's GDN out projection)."""
+    return (name.endswith("linear_attn.out_proj.weight") and cfg["gguf_architecture"] in ("qwen35", "qwen35moe")
+            and cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"])
+
+
+def blocks_keep_transform(name: str, cfg: dict[str, Any], qtype: str) -> bool:
+    """Whether the converter's transform of `name` can be undone on `qtype` blocks: rows move whole;
+    columns only in whole blocks (a value head a multiple of the block)."""
+    return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % _block(qtype)[0] == 0
+
+
+def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of the converter's `LlamaModel.permute` (rows of each head from halves to interleaved pairs),
+    which Nemotron-H's q and k get although its attention has no rotary embedding."""
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
+    """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
+    rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    if cfg["gguf_architecture"] == "mamba2":  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+    if cfg["gguf_architecture"] in _MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+            return _unpermute(t, heads)
         return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1
@@ -108,7 +156,8 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Te
     if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
         return _tiled_to_grouped(t, 0, k_heads, per_k, 1)
     if name.endswith("out_proj.weight"):
-        return _tiled_to_grouped(t, 1, k_heads, per_k, dv)
+        width = dv if qtype is None else dv // _block(qtype)[0] * _block(qtype)[1]  # a head's bytes
+        return _tiled_to_grouped(t, 1, k_heads, per_k, width)
     return t
 
 
@@ -122,19 +171,14 @@ def to_torch(tensor, path) -> torch.Tensor:
         return torch.from_numpy(data.copy()).reshape(_shape(tensor))
     from gguf.quants import dequantize
 
-    return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(_shape(tensor)).to(torch.bfloat16)
-
-
-def _dequantizable(qtype) -> bool:
-    """Whether gguf has a dequantizer for `qtype` (tried on one zero block)."""
-    from gguf.constants import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
-
-    try:
-        dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
+    # a few thousand rows at a time: no fp32 copy of a whole embedding table
+    rows = np.asarray(tensor.data).reshape(-1, tensor.data.shape[-1])
+    block, nbytes = _block(kind)
+    out = torch.empty(rows.shape[0], rows.shape[1] // nbytes * block, dtype=torch.bfloat16)
+    for start in range(0, rows.shape[0], DEQUANT_ROWS):
+        out[start:start + DEQUANT_ROWS] = torch.from_numpy(dequantize(rows[start:start + DEQUANT_ROWS],
+                                                                      tensor.tensor_type))
+    return out.reshape(_shape(tensor))
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -145,30 +189,53 @@ def is_quantized(tensor) -> bool:
     return tensor.tensor_type.name not in _RAW
 
 
-def matrix_dtype(path) -> torch.dtype:
-    """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32."""
+def reader_of(source):
+    """An open reader for `source`, a GGUF file's path or a reader already open (opening one parses every
+    metadata field: seconds for a 248k-token vocabulary, so a load opens the file once)."""
+    return source if hasattr(source, "tensors") else open_reader(Path(source).resolve())
+
+
+def matrix_dtype(source, kept: frozenset[str] = frozenset()) -> torch.dtype:
+    """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32;
+    the matrices named in `kept` (held as blocks) do not count. `source`: a path or an open reader."""
     sizes = {"bf16": 0, "fp32": 0}
-    for t in open_reader(path).tensors:
-        if len(t.shape) >= 2:
+    for t in reader_of(source).tensors:
+        if len(t.shape) >= 2 and t.name not in kept:
             sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
     return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
 
 
-def hf_tensors(path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of each tensor of the GGUF file at `path`; an unknown name is one KvstateError."""
-    path = Path(path).resolve()  # messages name the file itself, not the checkpoint folder's link to it
-    reader = open_reader(path)
-    quantized = sorted({t.tensor_type.name for t in reader.tensors if is_quantized(t)})
-    for t in reader.tensors:  # before any work: a type nothing reads fails the load at once
-        if is_quantized(t) and not _dequantizable(t.tensor_type):
-            raise KvstateError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which kvstate cannot "
-                               f"read (supported: F32, F16, BF16 and the types gguf dequantizes)")
-    if quantized:
-        print(f"{path}: {', '.join(quantized)} tensors dequantized to bf16 at load", file=sys.stderr)
+def tensor_types(source, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
+    """(GGUF name, checkpoint name, GGML type name, shape) of each tensor, from the headers alone
+    (expert tensors keep their `{e}` pattern); an unknown name is one KvstateError."""
+    reader = reader_of(source)
+    for t in reader.tensors:
+        name = hf_name(t.name, cfg["gguf_architecture"])
+        if name is None:
+            raise KvstateError(f"{reader.source}: tensor {t.name!r} is not part of a {cfg['gguf_architecture']} model")
+        yield t.name, name, t.tensor_type.name, _shape(t)
+
+
+def _raw_rows(tensor) -> torch.Tensor:
+    """A 2-D quantized tensor's bytes as uint8 [rows, bytes per row] (gguf hands them so shaped)."""
+    data = np.asarray(tensor.data)
+    return torch.from_numpy(data.reshape(data.shape[0], -1).copy())
+
+
+def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) of each tensor of the GGUF file `source` (a path or an open reader): a
+    `Blocks` for those named in `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
+    reader = reader_of(source)
+    path = reader.source
+    check_tensor_types(reader)  # before any work: a type nothing reads fails the load at once
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:
             raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
+        if tensor.name in blocks:
+            qtype = tensor.tensor_type.name
+            yield name, Blocks(undo_transforms(name, _raw_rows(tensor), cfg, qtype), qtype)
+            continue
         data = undo_transforms(name, to_torch(tensor, path), cfg)
         if "{e}" in name:
             for e in range(data.shape[0]):

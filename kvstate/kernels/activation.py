@@ -1,13 +1,15 @@
 """Opt-in activation precision of the bf16-weight linears on CPUs with AVX512_BF16 (Zen 4 and later).
 
 By default the kernels widen bf16 weights exactly and keep fp32 math. `set_activation_dtype("bf16")`
+(what `LLM(..., activation_dtype="bf16")` and `--activation-dtype bf16` call)
 rounds each linear's input to bf16 and uses vdpbf16ps, as llama.cpp's bf16 path does: the like-for-like
 comparison with it, at a relative error of about 2^-9 of sum |w x| per output (`kvstate bench engine
 --activation-dtype bf16` reports it against the exact mode). "bf16x3" splits x into three bf16
 parts (24 significant bits) for the same instruction: near-exact, not bit-equal to the default.
-The setting is process-wide (the compiled decode blocks' linears follow it too; with "bf16" the
-larger row counts of prefill run torch's bf16 GEMM); int8 and fp32 weights, AMX and AVX2 paths
-keep fp32 math.
+The setting is process-wide (the compiled decode blocks' linears follow it too). From 64 rows
+(prefill) bf16 weights run the extension's AVX512_BF16 GEMM in every mode, x in three bf16 parts for
+fp32 math (as the AMX kernel does); where the kernels' ISA is AMX the prefill keeps torch's GEMMs (bf16
+in the "bf16" mode). int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from kvstate.errors import KvstateError
 
 # name -> bf16 parts of x for the kernel (0: the fp32 path)
 PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3}
-# True while "bf16" is set: the rows past the kernel's (prefill) then run torch's bf16 GEMM too
-# (dispatch.py), which also rounds each output to bf16 before it is widened back.
+# True while "bf16" is set: where the extension's GEMM does not serve the rows past the skinny
+# kernel's (prefill), they run torch's bf16 GEMM, which also rounds each output to bf16.
 bf16_gemm = False
+# Whether the extension's AVX512_BF16 GEMM serves those rows in every mode (x in 3 bf16 parts for
+# fp32 math, 1 for "bf16"): its automatic ISA is AVX-512 on a CPU with AVX512_BF16. None: not yet
+# looked up (gemm_serves).
+own_gemm: bool | None = None
+_ORDER = ("amx", "avx512", "avx2")
 
 
 def available() -> bool:
@@ -43,6 +50,25 @@ def set_activation_dtype(name: str) -> None:
         ext.set_activation_parts(PARTS[name])
     global bf16_gemm
     bf16_gemm = name == "bf16"
+
+
+def gemm_serves(chosen: str) -> bool:
+    """The extension's GEMM serves any number of rows of bf16 weights for the backend `chosen`
+    (dispatch.choice(): "auto" or "avx512"; on AMX machines "auto" keeps torch's GEMMs)."""
+    global own_gemm
+    if own_gemm is None:
+        from kvstate.kernels import _ext
+
+        ext = _ext.load()
+        own_gemm = ext is not None and bool(ext.has_avx512_bf16()) and _auto_isa(ext) == "avx512"
+    return own_gemm if chosen == "auto" else chosen == "avx512" and available()
+
+
+def _auto_isa(ext) -> str | None:
+    """The ISA the extension's "auto" runs: the best it has within its cap (KVSTATE_KERNELS)."""
+    cap = ext.isa_cap()
+    allowed = [i for i in ext.isas() if cap == "auto" or _ORDER.index(i) >= _ORDER.index(cap)]
+    return allowed[0] if allowed else None
 
 
 def activation_dtype() -> str:

@@ -8,9 +8,12 @@ holds the blocks under `weight` and the GGML type number under `weight_type`.
 
 `block_linear` runs the compiled kernel (csrc/quant_*: AVX-512 or AVX2, each block dequantized
 exactly in registers, FMAs with fp32 x) for up to `MAX_ROWS` rows, and otherwise (prefill, no
-extension, `kernels.backend("torch")`) the torch path: it dequantizes a tile of rows at a time (a
-few hundred KiB of fp32, so the full fp32 matrix never exists) and multiplies each tile with one
-fp32 GEMM. Both multiply by the same weights; only the summation order differs.
+extension, `kernels.backend("torch")`) the GEMM path: it dequantizes a tile of rows at a time (the
+compiled `quant_dequantize`, else torch ops; a few MiB of fp32, so the full fp32 matrix never
+exists) and multiplies each tile with one fp32 GEMM. Both multiply by the same weights; only the
+summation order differs. Under `activation.set_activation_dtype("bf16")` (the opt-in of llama.cpp's
+precision) the compiled tiles and x are rounded to bf16 for torch's bf16 GEMM, as bf16 weights'
+prefill does there.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstate.kernels import _ext
+from kvstate.kernels import _ext, activation
 from kvstate.kernels.dispatch import MAX_ROWS_BF16, choice
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
 
 SUPPORTED: frozenset[str] = frozenset(TYPES)
-TILE_WEIGHTS = 1 << 16  # fp32 weights dequantized per tile (256 KiB)
+TILE_WEIGHTS = 1 << 16  # fp32 weights dequantized per tile by torch (256 KiB)
+TILE_WEIGHTS_COMPILED = 1 << 20  # by the compiled dequantizer: 4 MiB, a GEMM's worth for prefill
 MAX_ROWS = MAX_ROWS_BF16  # the kernel reads each block once for all rows, like the bf16 path
 
 
@@ -59,12 +63,25 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
         y = _ext.load().quant_linear(x2, raw, bias, TYPES[qtype].type_id, isa)
         return y.reshape(*x.shape[:-1], n).to(x.dtype)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    rows = max(1, TILE_WEIGHTS // k)
+    deq = _dequantizer(x2)
+    rows = max(1, (TILE_WEIGHTS if deq is dequantize else TILE_WEIGHTS_COMPILED) // k)
+    bf16 = activation.bf16_gemm and deq is not dequantize  # the opt-in: x and the tiles in bf16
+    xg = x2.to(torch.bfloat16) if bf16 else x2
     for start in range(0, n, rows):
         stop = min(start + rows, n)
-        b = None if bias is None else bias[start:stop].float()
-        y[:, start:stop] = F.linear(x2, dequantize(raw[start:stop], qtype), b)
+        w = deq(raw[start:stop], qtype)
+        y[:, start:stop] = F.linear(xg, w.to(torch.bfloat16)).float() if bf16 else F.linear(x2, w)
+    if bias is not None:
+        y += bias.float()
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def _dequantizer(x2: torch.Tensor):
+    """The compiled dequantizer (the same weights, one call per tile) where the kernels run, else torch's."""
+    ext = _ext.load() if choice() != "torch" and x2.is_cpu else None
+    if ext is None or not hasattr(ext, "quant_dequantize"):
+        return dequantize
+    return lambda raw, qtype: ext.quant_dequantize(raw, TYPES[qtype].type_id)
 
 
 def _isa(x2: torch.Tensor) -> str | None:

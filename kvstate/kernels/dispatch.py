@@ -120,6 +120,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         flat = x.dim() == 2
         rows = x.shape[0] if flat else math.prod(x.shape[:-1])
         limit = MAX_ROWS if weight.dtype == torch.float32 else MAX_ROWS_BF16
+        if rows > limit and weight.dtype == torch.bfloat16 and activation.gemm_serves(chosen):
+            limit = rows  # the extension's AVX512_BF16 GEMM serves any number of rows (activation.py)
         ext = _ext.load() if rows <= limit else None
         if ext is not None:
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

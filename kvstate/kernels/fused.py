@@ -14,16 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvstate.kernels.blocks import block_linear
 from kvstate.kernels.dispatch import linear
 
 
 class FusedGroup:
-    """The concatenated weight [sum N_i, K] (and bias, and int8 weights' per-row scale) of
-    `members`, each a row view of it."""
+    """The concatenated weight [sum N_i, K] (and bias, and int8 weights' per-row scale; GGML blocks
+    [sum N_i, bytes per row]) of `members`, each a row view of it."""
 
     def __init__(self, members: tuple[nn.Linear, ...]):
         weights = [m.weight for m in members]
         self.members = members
+        self.format = _format(members[0])  # GGML blocks: rows of blocks concatenate like rows of weights
         self.sizes = [w.shape[0] for w in weights]
         self.weight = torch.cat([w.detach() for w in weights])  # [sum N, K]
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
@@ -50,11 +52,16 @@ def _scale(m: nn.Linear) -> torch.Tensor | None:
     return getattr(m, "weight_scale", None)
 
 
+def _format(m: nn.Linear) -> str | None:
+    """The GGML block type a Linear's uint8 weight holds (`kernels.blocks`), else None."""
+    return getattr(m, "weight_format", None)
+
+
 def fuse(*linears: nn.Linear) -> FusedGroup | None:
-    """Fuse linears of one input (same K, weight dtype and device; biases and scales all or none);
-    None if they differ, or hold GGML blocks (`kernels.blocks`: their forward knows the block type)."""
+    """Fuse linears of one input (same K, weight dtype and device, GGML blocks of one type; biases
+    and scales all or none); None if they differ."""
     first = linears[0]
-    if first.weight.dtype == torch.uint8:
+    if any(_format(m) != _format(first) for m in linears):
         return None
     if any(m.weight.shape[1] != first.weight.shape[1] or m.weight.dtype != first.weight.dtype
            or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
@@ -74,5 +81,7 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if group is not None and not training and group.members == linears and group.intact():
         # split_with_sizes, not Tensor.split: no Python wrapper (called cold after every fused
         # projection: ~50 us less per call on the 0.5b model's machine, 48 calls a step)
-        return list(linear(x, group.weight, group.bias, group.scale).split_with_sizes(group.sizes, -1))
+        y = linear(x, group.weight, group.bias, group.scale) if group.format is None else \
+            block_linear(x, group.weight, group.bias, group.format)
+        return list(y.split_with_sizes(group.sizes, -1))
     return [m(x) for m in linears]

@@ -62,16 +62,23 @@ def _read_as_tensor(model: nn.Module) -> set[int]:
     return out
 
 
+def eligible_linears(model: nn.Module) -> set[int]:
+    """ids of the kernels.Linear modules whose weight may be stored quantized: not tied to another
+    module, not read as a tensor by its layer, a float matrix now."""
+    shared, skip = _shared(model), _read_as_tensor(model)
+    return {id(m) for m in model.modules()
+            if type(m) is Linear and id(m) not in skip and id(m.weight) not in shared
+            and m.weight.dtype not in (torch.int8, torch.uint8) and m.weight.dim() == 2}
+
+
 def quantize_linears(model: nn.Module, weight_dtype: str = "int8") -> int:
     """Store every eligible kernels.Linear weight as int8 + per-row scale ("int8"), or as GGML blocks
     ("q8_0", "q4_0", "q4_k"); -> how many."""
     qtype = None if weight_dtype == "int8" else weight_dtype.upper()
-    shared, skip = _shared(model), _read_as_tensor(model)
+    eligible = eligible_linears(model)
     count = 0
     for module in model.modules():
-        if type(module) is not Linear or id(module) in skip or id(module.weight) in shared:
-            continue
-        if module.weight.dtype in (torch.int8, torch.uint8) or module.weight.dim() != 2:
+        if id(module) not in eligible:
             continue
         if qtype is not None:
             if module.in_features % TYPES[qtype].block == 0:

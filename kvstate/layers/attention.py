@@ -23,8 +23,9 @@ from kvstate.ops.attention import paged_attention, write_kv
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, output_gate: bool = False,
-                 qk_norm: tuple[float, float] | None = None, rotary: Rotary | None = None):
-        """qk_norm: (eps, weight offset) of the per-head RMSNorm on q and k, or None."""
+                 qk_norm: tuple[float, float] | None = None, rotary: Rotary | None = None, key_scale: float = 1.0):
+        """qk_norm: (eps, weight offset) of the per-head RMSNorm on q and k, or None; key_scale multiplies
+        k_proj's output (Falcon-H1's key_multiplier)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
@@ -39,6 +40,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.scale = head_dim**-0.5
+        self.key_scale = key_scale
 
     @classmethod
     def from_spec(cls, spec, hidden_size: int, opts) -> "Attention":
@@ -46,9 +48,10 @@ class Attention(nn.Module):
         if opts.rope_theta is not None:
             rotary_dim = int(spec.head_dim * opts.partial_rotary_factor)
             rotary = Rotary(spec.head_dim, rotary_dim, opts.rope_theta, opts.rope_scaling)
-        return cls(hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, qkv_bias=opts.attention_bias,
-                   o_bias=opts.attention_out_bias, output_gate=spec.output_gate,
-                   qk_norm=(opts.norm_eps, opts.norm_offset) if opts.qk_norm else None, rotary=rotary)
+        return cls(hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, qkv_bias=spec.qkv_bias,
+                   o_bias=spec.o_bias, output_gate=spec.output_gate,
+                   qk_norm=(opts.norm_eps, opts.norm_offset) if spec.qk_norm else None, rotary=rotary,
+                   **opts.for_mixer("attention"))
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]
@@ -59,6 +62,8 @@ class Attention(nn.Module):
             q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # gate [T, H, D]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.key_scale != 1:
+            k = k * self.key_scale
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if batch.decode_only or batch.verify_group is not None:  # one query per token row
             o = kdecode.attention_decode(q, k, v, gate, q_norm=self.q_norm,

@@ -49,7 +49,7 @@ class MLA(nn.Module):
     @classmethod
     def from_spec(cls, spec, hidden_size: int, opts) -> "MLA":
         return cls(hidden_size, spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim,
-                   spec.v_head_dim, q_lora_rank=spec.q_lora_rank, bias=opts.attention_bias)
+                   spec.v_head_dim, q_lora_rank=spec.q_lora_rank, bias=spec.bias)
 
     def forward(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         t = x.shape[0]

@@ -28,10 +28,12 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)); `scales` multiply gate(x) and down's output (Falcon-H1's mlp_multipliers)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False,
+                 scales: tuple[float, float] = (1.0, 1.0)):
         super().__init__()
+        self.gate_scale, self.down_scale = scales
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -39,8 +41,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)  # one kernel call when fused
+        if self.gate_scale != 1:
+            gate = gate * self.gate_scale
         h = kdecode.silu_mul(gate, up) if self.act is F.silu else None  # decode-sized: one kernel call
-        return self.down_proj(self.act(gate) * up if h is None else h)
+        out = self.down_proj(self.act(gate) * up if h is None else h)
+        return out if self.down_scale == 1 else out * self.down_scale
 
 
 class MLP(nn.Module):

@@ -26,6 +26,7 @@ from kvstate.config.plan import (
     Mamba2Spec,
     MLASpec,
     ModelPlan,
+    ShortConvSpec,
 )
 from kvstate.errors import KvstateError
 from kvstate.kernels import Linear
@@ -38,7 +39,8 @@ from kvstate.layers.mla import MLA
 from kvstate.layers.mlp import MLP, GatedMLP
 from kvstate.layers.moe import MoE
 from kvstate.layers.norm import RMSNorm
-from kvstate.models.decoder import Block, HybridDecoder
+from kvstate.layers.short_conv import ShortConv
+from kvstate.models.decoder import Block, HybridDecoder, ParallelMixers
 from kvstate.models.mtp import MtpHead
 
 # mixer spec kind -> its layer, sized by `from_spec(spec, hidden_size, options)`
@@ -49,6 +51,7 @@ MIXERS: dict[type, type[nn.Module]] = {
     KDASpec: KimiDeltaAttention,
     Mamba2Spec: Mamba2,
     Mamba1Spec: Mamba1,
+    ShortConvSpec: ShortConv,
 }
 
 
@@ -63,8 +66,9 @@ def build_ffn(spec: FfnSpec, hidden: int, opts: ModelOptions):
     if spec.kind == "none":
         return None
     if spec.kind == "mlp":
-        cls = GatedMLP if spec.gated else MLP
-        return cls(hidden, spec.intermediate_size, act=opts.act, bias=opts.mlp_bias)
+        if spec.gated:
+            return GatedMLP(hidden, spec.intermediate_size, act=opts.act, bias=spec.bias, scales=opts.mlp_scales)
+        return MLP(hidden, spec.intermediate_size, act=opts.act, bias=spec.bias)
     return MoE(hidden, spec.num_experts, spec.experts_per_token, spec.expert_intermediate_size,
                router=opts.router, gated=spec.gated, act=opts.act,
                shared_intermediate_size=spec.shared_intermediate_size, shared_gate=opts.shared_expert_gate,
@@ -78,7 +82,8 @@ def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.devi
     with torch.device(device):
         blocks = [_block(plan, layer, opts, norm) for layer in plan.layers]
         model = HybridDecoder(plan.vocab_size, plan.hidden_size, blocks, norm,
-                              tie_word_embeddings=plan.tie_word_embeddings, plan=plan)
+                              tie_word_embeddings=plan.tie_word_embeddings, plan=plan,
+                              embedding_scale=opts.embedding_scale, logits_scale=opts.logits_scale)
         if mtp and plan.mtp:
             if len(plan.mtp) > 1:
                 raise KvstateError(f"{plan.name}: mtp_num_hidden_layers is {len(plan.mtp)}; kvstate runs one MTP block")
@@ -87,13 +92,12 @@ def build_model(plan: ModelPlan, opts: ModelOptions, *, device: str | torch.devi
 
 
 def _block(plan: ModelPlan, layer, opts: ModelOptions, norm) -> Block:
-    if len(layer.mixers) > 1:
-        raise KvstateError(f"{plan.name}: layer {layer.index} has parallel mixers "
-                           f"({', '.join(layer.kinds)}), which the model does not run yet")
-    mixer = None
-    if layer.mixers:
-        spec = layer.mixers[0]
-        mixer = mixer_class(spec).from_spec(spec, plan.hidden_size, opts)
+    """One block; several mixers side by side become one ParallelMixers (the plan's `mixer_names`)."""
+    mixers = {spec.kind: mixer_class(spec).from_spec(spec, plan.hidden_size, opts) for spec in layer.mixers}
+    if len(mixers) != len(layer.mixers):
+        raise KvstateError(f"{plan.name}: layer {layer.index} has two mixers of one kind ({', '.join(layer.kinds)})")
+    mixer = next(iter(mixers.values())) if len(mixers) == 1 else ParallelMixers(mixers, opts.mixer_scales) \
+        if mixers else None
     return Block(mixer, build_ffn(layer.ffn, plan.hidden_size, opts), norm)
 
 

@@ -9,8 +9,8 @@ order, so its numbers are the per-op path's, bit for bit; only the Python goes.
 
 `plan(model)` prepares one compiled block per block it can serve: a Gated DeltaNet (SiLU conv) or
 full-attention mixer whose projections are fused (`kernels.fused`) and bias-free, between two
-RMSNorms, then a SiLU gated MLP, weights fp32, bf16 or int8 (with per-row scales), small
-parameters fp32. Any other block
+RMSNorms, then a SiLU gated MLP, weights fp32, bf16, int8 (with per-row scales) or GGML blocks
+(one type per fused group), small parameters fp32. Any other block
 (MoE, Mamba, KDA, MLA, biases, a module with forward hooks such as tensor parallelism's all-reduce)
 keeps the per-op path: the decoder mixes both freely.
 `for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
@@ -30,6 +30,7 @@ from torch.nn.modules import module as torch_module
 
 from kvstate.kernels import Linear, choice, extension
 from kvstate.kernels import decode as kdecode
+from kvstate.kernels.ggml_blocks import TYPES
 from kvstate.kernels.threads import serial_outer_threads
 from kvstate.layers.attention import Attention
 from kvstate.layers.gated_deltanet import GatedDeltaNet
@@ -39,7 +40,7 @@ from kvstate.layers.recurrence import clear_fresh
 from kvstate.profiling import timed
 
 _off: contextvars.ContextVar[bool] = contextvars.ContextVar("kvstate_per_op_blocks", default=False)
-_WEIGHTS = (torch.float32, torch.bfloat16, torch.int8)
+_WEIGHTS = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # uint8: GGML blocks (kernels.blocks)
 
 
 @contextlib.contextmanager
@@ -181,7 +182,7 @@ def _fused(ext, linears, groups):
     if not group.intact() or group.bias is not None or group.weight.dtype not in _WEIGHTS:
         return None
     groups.append(group)
-    return ext.Weight(group.weight, group.scale)
+    return ext.Weight(group.weight, group.scale, _type_id(group.format))
 
 
 def _fp32(*tensors: torch.Tensor) -> bool:
@@ -195,8 +196,13 @@ def _plain(ext, linear):
         return None
     w = linear.weight
     if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2:
-        return ext.Weight(w, linear.weight_scale)
+        return ext.Weight(w, linear.weight_scale, _type_id(linear.weight_format))
     return None
+
+
+def _type_id(weight_format: str | None) -> int:
+    """The GGML type number of a Linear's blocks (`kernels.blocks`), 0 for a plain weight."""
+    return 0 if weight_format is None else TYPES[weight_format].type_id
 
 
 def _norm(norm) -> tuple | None:
@@ -208,7 +214,7 @@ def _norm(norm) -> tuple | None:
 def _tail(ext, block, groups) -> tuple | None:
     """(ffn norm weight, eps, offset, w_gate_up, w_down) for a SiLU gated MLP, or None."""
     ffn, norm = block.ffn, _norm(block.ffn_norm) if block.ffn is not None else None
-    if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu:
+    if norm is None or type(ffn) is not GatedMLP or ffn.act is not F.silu or (ffn.gate_scale, ffn.down_scale) != (1, 1):
         return None
     w_gu, w_down = _fused(ext, (ffn.gate_proj, ffn.up_proj), groups), _plain(ext, ffn.down_proj)
     return None if w_gu is None or w_down is None else (*norm, w_gu, w_down)
@@ -232,7 +238,7 @@ def _attention(ext, block, groups):
     m = block.mixer
     norm, tail = _norm(block.input_norm), _tail(ext, block, groups)
     w_qkv, w_o = _fused(ext, (m.q_proj, m.k_proj, m.v_proj), groups), _plain(ext, m.o_proj)
-    if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None):
+    if None in (norm, tail, w_qkv, w_o) or (m.q_norm is None) != (m.k_norm is None) or m.key_scale != 1:
         return None
     qn = kn = None
     eps = offset = 0.0

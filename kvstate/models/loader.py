@@ -11,6 +11,7 @@ matrices are stored in `weight_dtype`: by default bf16 when the checkpoint's mat
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -25,12 +26,16 @@ from kvstate.errors import KvstateError
 from kvstate.families import adapter
 from kvstate.gguf import is_gguf
 from kvstate.gguf.checkpoint import gguf_file
-from kvstate.gguf.weights import hf_tensors, matrix_dtype
+from kvstate.gguf.metadata import open_reader
+from kvstate.gguf.tensors import open_tensors
+from kvstate.gguf.weights import Blocks, hf_tensors, matrix_dtype
 from kvstate.hub import resolve_checkpoint
 from kvstate.kernels.hugepages import place_weights
-from kvstate.kernels.quant import quantize_linears
+from kvstate.kernels.ggml_blocks import TYPES, dequantize
+from kvstate.kernels.quant import eligible_linears, quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
 from kvstate.models.family import RunnableFamily
+from kvstate.models.gguf_blocks import BlockPlan, dequantized_line, finish_blocks, plan_blocks, to_meta_blocks
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -77,10 +82,12 @@ def weight_dtype_of(name: str | torch.dtype | None) -> torch.dtype | None:
     return None if canonical is None else getattr(torch, canonical)
 
 
-def checkpoint_weight_dtype(files: list[Path]) -> torch.dtype:
-    """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32."""
-    if is_gguf(files[0]):
-        return matrix_dtype(files[0])
+def checkpoint_weight_dtype(files: list, kept: frozenset[str] = frozenset()) -> torch.dtype:
+    """bfloat16 when the checkpoint's matrices (2-D and larger tensors) are mostly bf16, else float32
+    (`files`: safetensors files, or one GGUF file or its open reader, whose matrices named in `kept`,
+    held as blocks, do not count)."""
+    if hasattr(files[0], "tensors") or is_gguf(files[0]):
+        return matrix_dtype(files[0], kept)
     sizes = {"BF16": 0, "other": 0}
     for file in files:
         try:
@@ -128,7 +135,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     (`set_weight_dtype`); with an activation `dtype` other than float32 the weights follow `dtype`.
     "int8" loads the checkpoint's dtype, then stores the projections as int8 with per-row scales
     (`kernels.quant`; embeddings and experts stay as loaded); "q8_0", "q4_0", "q4_k" as GGML's
-    blocks (`kernels.blocks`) the same way."""
+    blocks (`kernels.blocks`) the same way. A GGUF file's quantized projections keep the file's
+    blocks (`models.gguf_blocks`) unless `weight_dtype` names a float dtype or `dtype` is not float32."""
     path, plan, family, opts, files = open_checkpoint(path)
     wanted = weight_dtype_of(weight_dtype)
     quantize = wanted in (torch.int8, torch.uint8)
@@ -137,8 +145,16 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                            "(the kernels' math)")
     model = build_model(plan, opts, device="meta", mtp=bool(plan.mtp) and has_mtp_weights(files))
     model.to(dtype)  # on meta: nothing is allocated yet
+    blocks = BlockPlan()
+    targets_of = lambda key: family.weight_targets(key, plan)  # noqa: E731
+    sources = files  # a GGUF file is opened once (reading its metadata takes seconds)
+    if is_gguf(files[0]):
+        sources = [_gguf_tensor_source(files[0])]
+        keep = dtype == torch.float32 and (wanted is None or quantize)  # a float dtype asked for: dequantize
+        blocks = plan_blocks(model, sources[0], plan.config, targets_of, keep)
     if dtype == torch.float32:
-        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(files))
+        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(sources, blocks.kept))
+    to_meta_blocks(model, blocks)
     model.to_empty(device="cpu")
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
         model.lm_head.weight = model.embed_tokens.weight
@@ -147,15 +163,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     filled = {name: 0 for name in params}
     layout: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape, to save in the same layout
     total, done = sum(f.stat().st_size for f in files), 0
-    for file in files:
-        for key, targets, tensor in _tensors(file, lambda key: family.weight_targets(key, plan), plan.model_type,
-                                             plan.config):
-            layout[key] = tuple(tensor.shape)
+    for file, source in zip(files, sources):
+        for key, targets, tensor in _tensors(file, targets_of, plan.model_type, plan.config, blocks.blocks, source):
+            raw = tensor.raw if isinstance(tensor, Blocks) else tensor
+            layout[key] = tuple(raw.shape)
             if progress is not None:
-                done += tensor.numel() * tensor.element_size()
+                done += raw.numel() * raw.element_size()
                 progress(min(done, total), total)
             for t in targets:
-                copy_weight(params, filled, t, tensor, key, file.name, plan)
+                source = tensor
+                if isinstance(tensor, Blocks):  # a block Linear takes the rows; any other target their weights
+                    source = raw if params[t.name].dtype == torch.uint8 else dequantize(raw, tensor.qtype)
+                copy_weight(params, filled, t, source, key, file.name, plan)
     if progress is not None:
         progress(total, total)
     if plan.tie_word_embeddings:
@@ -165,8 +184,16 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
         raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
+    finish_blocks(model, blocks)
+    if line := dequantized_line(files[0].resolve(), blocks, model.embed_tokens.weight.dtype):
+        print(line, file=sys.stderr)
     if quantize:
-        quantize_linears(model, canonical_weight_dtype(weight_dtype))
+        name = canonical_weight_dtype(weight_dtype)
+        eligible = len(eligible_linears(model))
+        if (done := quantize_linears(model, name)) < eligible and name != "int8":  # rows not a multiple of the block
+            print(f"{path}: --weight-dtype {name} quantized {done} of {eligible} projections (the rest have rows "
+                  f"that are not a multiple of its {TYPES[name.upper()].block}-weight block and keep "
+                  f"{str(model.lm_head.weight.dtype).removeprefix('torch.')})", file=sys.stderr)
     fuse_projections(model)  # GDN's four input projections, q/k/v, gate/up: one kernel call each
     place_weights(model)  # the streamed matrices on huge pages (faster decode), where the OS has them
     model.eval()
@@ -175,11 +202,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return model, plan
 
 
-def _tensors(file: Path, targets_of, model_type: str, config: dict):
-    """(name, targets, tensor) of each checkpoint tensor that has targets in our model; a file that is not
-    valid safetensors (truncated, garbage) is one KvstateError naming it."""
+def _tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str] = frozenset(),
+             source=None):
+    """(name, targets, tensor) of each checkpoint tensor that has targets in our model (a GGUF file's,
+    read from `source`, its open reader: those named in `blocks` as `Blocks`); a file that is not valid
+    safetensors (truncated, garbage) is one KvstateError naming it."""
     if is_gguf(file):
-        yield from _gguf_tensors(file, targets_of, model_type, config)
+        yield from _gguf_tensors(file, targets_of, model_type, config, blocks, source or file)
         return
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -195,13 +224,23 @@ def _tensors(file: Path, targets_of, model_type: str, config: dict):
         raise KvstateError(f"{file}: not a valid safetensors file ({str(exc).splitlines()[0][:120]})") from None
 
 
-def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict):
-    for key, tensor in hf_tensors(file, config):
+def _gguf_tensors(file: Path, targets_of, model_type: str, config: dict, blocks: frozenset[str], source):
+    for key, tensor in hf_tensors(source, config, blocks):
         targets = targets_of(key)
         if targets is None:
             raise KvstateError(f"{file.name}: tensor {key!r} is not part of a {model_type} model")
         if targets:
             yield key, targets, tensor
+
+
+def _gguf_tensor_source(link: Path):
+    """The tensors of the GGUF file a checkpoint folder links to: its folder's table (no metadata parse),
+    else the file opened with gguf's reader."""
+    try:
+        table = open_tensors(link)
+    except (OSError, ValueError) as exc:
+        raise KvstateError(f"{link.resolve()}: not a readable GGUF file ({str(exc)[:120]})") from None
+    return table if table is not None else open_reader(link.resolve())
 
 
 def _config_hint(plan, expected: tuple[int, ...], got: tuple[int, ...]) -> str:

@@ -4,13 +4,14 @@
 meta device, fills it from the checkpoint through the family's `weight_targets` (full-model
 coordinates) and the rank's cuts (`kvstate.parallel.shard`: only its rows and columns are read
 from each safetensors slice; replicated tensors whole), then `parallelize` adds what TP needs:
-- one all-reduce of each block's mixer output and FFN output (both end in a row-parallel
-  projection or, for MoE, a sum over the rank's experts), and of Mamba-1's x_proj (row-parallel
-  inside the mixer), as forward hooks: parameter names and layer classes stay as they are;
+- one all-reduce of each block's mixer output (side-by-side mixers: of their sum) and FFN output
+  (both end in a row-parallel projection or, for MoE, a sum over the rank's experts), and of the
+  inner projections a mixer kind names as row-parallel (`tp_reduced`: Mamba-1's x_proj), as
+  forward hooks: parameter names and layer classes stay as they are;
 - a vocabulary-parallel embedding (each rank looks up its rows, zeros elsewhere, all-reduce) and
   LM head (each rank's logits columns, all-gathered into the full vocabulary);
-- Mamba-2's grouped gated norm when a norm group spans several ranks (B/C groups fewer than
-  ranks): the sums of squares are all-reduced per group.
+- a grouped gated norm whose group spans several ranks (`tp_norm_group`: Mamba-2 with B/C groups
+  fewer than ranks): the sums of squares are all-reduced per group.
 The single-process model is untouched: none of this runs at TP 1.
 """
 
@@ -24,7 +25,6 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from kvstate.config.plan import Mamba1Spec, Mamba2Spec
 from kvstate.errors import KvstateError
 from kvstate.kernels.dispatch import linear
 from kvstate.layers.moe import Experts
@@ -73,16 +73,17 @@ class SpanningGatedNorm(nn.Module):
 
     def __init__(self, norm: GatedRMSNorm, group_size: int, group: int, num_groups: int, tp: TPGroup):
         super().__init__()
-        self.weight, self.eps, self.act = norm.weight, norm.eps, norm.act
+        self.weight, self.eps, self.act, self.gate_after = norm.weight, norm.eps, norm.act, norm.norm_before_gate
         self.group_size, self.group, self.num_groups, self.tp = group_size, group, num_groups, tp
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float() * self.act(gate.float())  # [T, C_local]
+        x = x.float() if self.gate_after else x.float() * self.act(gate.float())  # [T, C_local]
         sums = x.new_zeros(x.shape[0], self.num_groups)
         sums[:, self.group] = x.pow(2).sum(-1)
         var = self.tp.all_reduce(sums)[:, self.group : self.group + 1] / self.group_size  # [T, 1]
-        return (x * torch.rsqrt(var + self.eps) * self.weight.float()).to(dtype)
+        y = x * torch.rsqrt(var + self.eps) * self.weight.float()
+        return (y * self.act(gate.float()) if self.gate_after else y).to(dtype)
 
 
 class LocalExperts(Experts):
@@ -144,13 +145,12 @@ def parallelize(model: nn.Module, plan, group: TPGroup) -> nn.Module:
         for part in (block.mixer, block.ffn):
             if part is not None:
                 part.register_forward_hook(hook)
-        spec = layer.mixers[0] if layer.mixers else None
-        if isinstance(spec, Mamba1Spec):
-            block.mixer.x_proj.register_forward_hook(hook)
-        if isinstance(spec, Mamba2Spec) and spec.n_groups < tp and spec.gated_norm:
-            inner = spec.num_heads * spec.head_dim
-            g = rank // (tp // spec.n_groups)
-            block.mixer.norm = SpanningGatedNorm(block.mixer.norm, inner // spec.n_groups, g, spec.n_groups, group)
+        for spec, mixer in zip(layer.mixers, block.mixer_modules()):
+            for name in spec.tp_reduced:
+                getattr(mixer, name).register_forward_hook(hook)
+            spanning = spec.tp_norm_group(tp, rank)
+            if spanning is not None:
+                mixer.norm = SpanningGatedNorm(mixer.norm, *spanning, group)
     start, _ = vocab_range(plan.vocab_size, tp, rank)
     model.embed_tokens = VocabEmbedding(model.embed_tokens.weight, start, group)
     model.lm_head = GatheredHead(model.lm_head.weight, plan.vocab_size, group)

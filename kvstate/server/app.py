@@ -26,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from kvstate.server.body import BodyInvalid
 from kvstate.server.engine_loop import EngineLoop
 from kvstate.server.gate import Gate, safe_json
 from kvstate.server.limits import ServerLimits
@@ -101,6 +102,21 @@ def _allowed_methods(app: FastAPI, scope) -> set[str]:
             if any(r.matches({**scope, "method": m})[0] == Match.FULL for r in routes)}
 
 
+def _invalid_body(request: Request, errors) -> SafeJSONResponse:
+    """A body that fails its schema: a 400 naming the field (not FastAPI's 422)."""
+    first = errors[0] if errors else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":  # a field this endpoint does not know would be dropped
+        param = where[0] if where else None
+        message = f"{'.'.join(where)}: unknown field; {request.url.path} does not support it"
+    else:
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}"
+        param = where[0] if where else None
+    return SafeJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -108,21 +124,12 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = "the request body is not valid JSON", None
-        elif first.get("type") == "extra_forbidden":  # a field this endpoint does not know would be dropped
-            param = where[0] if where else None
-            message = f"{'.'.join(where)}: unknown field; {request.url.path} does not support it"
-        else:
-            message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid value')}"
-            param = where[0] if where else None
-        return SafeJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return _invalid_body(request, exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if isinstance(exc, BodyInvalid):  # a large body, validated on a worker thread
+            return _invalid_body(request, exc.errors)
         if exc.status_code in (404, 405):  # the static files at / answer every GET (an API path is a 405
             # there) and refuse every other method (a path nothing serves is a 404, not their 405)
             allowed = _allowed_methods(app, request.scope)

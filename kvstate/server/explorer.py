@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 
 from kvstate.errors import ConfigFieldError, KvstateError
 from kvstate.server import explorer_pool
+from kvstate.server.body import ThreadedBodyRoute
 from kvstate.server.explorer_engine import StepRecorder, run_greedy, served_loop
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import lone_surrogate
@@ -60,7 +61,8 @@ async def _lifespan(app):
     yield
 
 
-router = APIRouter(prefix="/explorer/api", include_in_schema=False, lifespan=_lifespan)
+router = APIRouter(prefix="/explorer/api", include_in_schema=False, lifespan=_lifespan,
+                   route_class=ThreadedBodyRoute)
 
 
 def _bad(exc: Exception, param: str | None = None) -> ApiError:

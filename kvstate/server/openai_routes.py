@@ -24,10 +24,11 @@ from kvstate.engine.request_check import prompt_tokens, stop_tokens_problem
 from kvstate.errors import KvstateError
 from kvstate.llm import cache_prefix_points
 from kvstate.server import protocol as P
+from kvstate.server.body import ThreadedBodyRoute
 from kvstate.server.protocol import ApiError
 from kvstate.server.schemas import ChatCompletionRequest, CompletionRequest, lone_surrogate
 
-router = APIRouter()
+router = APIRouter(route_class=ThreadedBodyRoute)
 CHAT_HINTS = 4  # snapshot hints at the last few message ends only: each costs a render of the whole chat
 
 
@@ -293,17 +294,20 @@ class _Reply:
     def _completion_choice(self, i: int, f) -> dict:
         """One completions choice; with echo, the prompt (its text as given) before the output."""
         texts, echo, scored = self.echo
-        ids = self.prompts[i // self.n]
         text, prompt = f.text, None
         if echo:
-            given = texts[i // self.n] if texts is not None else None
-            text = (given if given is not None else self.decode_all(ids)) + f.text
-            prompt = (ids, f.prompt_logprobs)
+            text = self._prompt_text(i) + f.text
+            prompt = (self.prompts[i // self.n], f.prompt_logprobs)
         choice = {"index": i, "text": text, "logprobs": self._logprobs(f, prompt), "finish_reason":
                   P.finish_reason(f.finish_reason), "stop_reason": f.stop_reason}
         if scored:
             choice["prompt_logprobs"] = P.prompt_logprobs(f.prompt_logprobs, self.decode)
         return choice
+
+    def _prompt_text(self, i: int) -> str:
+        """Choice i's prompt as echo repeats it: its text as given, or its token ids decoded."""
+        given = self.echo[0][i // self.n] if self.echo[0] is not None else None
+        return given if given is not None else self.decode_all(self.prompts[i // self.n])
 
     def whole(self) -> dict:
         choices = []
@@ -340,13 +344,14 @@ class _Reply:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         return {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
-    def _step_logprobs(self, choice: int, out):
-        """The logprobs object of the tokens one engine step added (None when not asked for or none)."""
-        if self.params.logprobs is None or not out.logprobs:
+    def _step_logprobs(self, choice: int, out, prompt=None):
+        """The logprobs object of the tokens one engine step added (None when not asked for or none);
+        `prompt` (an echo's first chunk): (prompt ids, their logprobs), whose tokens come first."""
+        if self.params.logprobs is None or not (out.logprobs or prompt):
             return None
         if self.chat:
             return P.chat_logprobs(out.logprobs, out.token_ids, self.decode)
-        lp = P.completion_logprobs(out.logprobs, out.token_ids, self.decode, self.offsets[choice])
+        lp = P.completion_logprobs(out.logprobs or [], out.token_ids, self.decode, self.offsets[choice], prompt)
         self.offsets[choice] += sum(len(t) for t in lp["tokens"])
         return lp
 
@@ -354,12 +359,19 @@ class _Reply:
         if self.chat:  # OpenAI opens each choice with the role
             yield self._chunk([self._piece(c, None, first=True) for c in range(len(self.finals))])
         item = first
+        echoed = set()  # completions with echo: the choices whose prompt went out (in their first chunk)
         while item is not None:
             choice, out = item
             self.take(choice, out)
             if out.finished and (out.output.finish_reason == "error" or out.output.error):  # failed, or ended
                 # by the server (a shutdown, a client that stopped reading): the stream says why
                 yield P.sse(P.error_body(out.output.error or "the request failed"))
+            elif self.echo[1] and choice not in echoed:  # the prompt (and its logprobs), then this step's
+                echoed.add(choice)
+                scored = out.output.prompt_logprobs if out.finished else out.prompt_logprobs
+                lp = self._step_logprobs(choice, out, (self.prompts[choice // self.n], scored))
+                reason = P.finish_reason(out.output.finish_reason) if out.finished else None
+                yield self._chunk([self._piece(choice, self._prompt_text(choice) + out.text, reason, logprobs=lp)])
             elif out.text or out.finished or (out.logprobs and self.params.logprobs is not None):
                 reason = P.finish_reason(out.output.finish_reason) if out.finished else None
                 lp = self._step_logprobs(choice, out)

@@ -7,14 +7,19 @@ silently dropped, e.g. prompt_logprobs on chat); OpenAI's fields that do not cha
 (`user`, `metadata`, `store`, ...) are accepted, and the ones that would and that kvstate does not
 do (tools, function calls, a response_format other than text, audio) are a 400 naming the field.
 Bounds that protect the server (n, logprobs) are in the schema, so the OpenAPI document states them
-and a bad value is a 400 before any work.
+and a bad value is a 400 before any work. Validation itself is bounded too, since it holds the
+interpreter even on a worker thread (`kvstate.server.body`): lists stop at their first bad item
+(pydantic's `fail_fast`; 1.5M bad token ids made 1.5M error objects, a minute), a prompt is
+validated only as the form its first item shows (a union tries every form over the whole list),
+lists of prompts and other lists a reply cannot need are counted before their items are read,
+and logit_bias (refused when set) is not validated item by item.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from kvstate.engine.params import FLOAT32_TINY, MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstate.errors import KvstateError
@@ -23,20 +28,54 @@ from kvstate.server.protocol import ApiError
 MAX_N = 16  # samples per prompt
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_MESSAGES = 1024  # chat turns: each costs template work (and a snapshot hint) however short
+MAX_CONTENT_PARTS = 4096  # text parts of all messages together: 240k of them took 2 s to validate,
+# holding the interpreter even on a worker thread (kvstate.server.body)
+MAX_PROMPTS = 4096  # prompts in one request, before the server's --max-sequences-per-request
+MAX_LIST = 64  # stop strings, modalities: far more than any reply takes
+MAX_ITEMS = 1024  # logit_bias, tools, functions: refused when set, counted before they are read
 SEED = Field(None, ge=-(2**63), le=2**63 - 1)  # torch.Generator.manual_seed's range (seed + k for n samples)
+FAIL_FAST = Field(fail_fast=True)
 
-TokenIds = list[int]
+TokenIds = Annotated[list[int], FAIL_FAST]
 
 
 def _at_most(most: int) -> BeforeValidator:
-    """A list's length bound checked before its items are (pydantic's max_length validates all 270k
+    """A list's (or dict's) length bound checked before its items are (pydantic's max_length validates all 270k
     chat messages first, on the event loop); kept out of the OpenAPI schema, where schemathesis would
     build lists past it to test it."""
     def check(value):
-        if isinstance(value, list) and len(value) > most:
+        if isinstance(value, (list, dict)) and len(value) > most:
             raise ValueError(f"takes at most {most} items, got {len(value)}")
         return value
     return BeforeValidator(check)
+
+
+def _parts_at_most(most: int) -> BeforeValidator:
+    """The text parts of all messages together bounded, counted before any of them is validated (after
+    the message count: Annotated runs before-validators last first)."""
+    def check(value):
+        if isinstance(value, list):
+            parts = sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > most:
+                raise ValueError(f"takes at most {most} content parts in all, got {parts}")
+        return value
+    return BeforeValidator(check)
+
+
+def _prompt_form(value) -> str:
+    """The form of a prompt, read from its first item: only that form validates it."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    return "texts" if isinstance(first, str) else "batch" if isinstance(first, list) else "ids"
+
+
+Prompt = Annotated[Union[
+    Annotated[str, Tag("text")],
+    Annotated[list[str], FAIL_FAST, _at_most(MAX_PROMPTS), Tag("texts")],
+    Annotated[TokenIds, Tag("ids")],
+    Annotated[list[TokenIds], FAIL_FAST, _at_most(MAX_PROMPTS), Tag("batch")],
+], Discriminator(_prompt_form)]
 
 
 class StreamOptions(BaseModel):
@@ -54,14 +93,16 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = Field(None, description="up to 4 strings that end the output (left out)")
+    stop: Union[str, Annotated[list[str], FAIL_FAST, _at_most(MAX_LIST)], None] = Field(
+        None, description="up to 4 strings that end the output (left out)")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: int | None = SEED
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Any] | None, _at_most(MAX_ITEMS)] = Field(
+        None, description="not supported: a 400 when set")
     user: str | None = None
     # OpenAI's bookkeeping fields: accepted, no effect on the answer
-    metadata: dict[str, Any] | None = None
+    metadata: Annotated[dict[str, Any] | None, _at_most(16)] = None  # OpenAI's bound
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's extras
@@ -69,7 +110,7 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=FLOAT32_TINY, le=100)
     ignore_eos: bool = False
-    stop_token_ids: Annotated[list[int] | None, _at_most(MAX_STOP_TOKEN_IDS)] = None
+    stop_token_ids: Annotated[list[int] | None, FAIL_FAST, _at_most(MAX_STOP_TOKEN_IDS)] = None
     # kvstate's extra: with prefix caching, keep the state after this many prompt tokens (or after this
     # text, which the prompt must start with; or a list of either), so later requests sharing it resume there
     cache_prefix: Union[int, str, list[Union[int, str]], None] = None
@@ -110,7 +151,7 @@ def lone_surrogate(text: str) -> bool:
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]] = Field(
+    prompt: Prompt = Field(
         ..., description="a text, token ids, or a list of either (one choice group per prompt)")
     max_tokens: int | None = Field(16, ge=0, description="0: the prompt only (with echo or prompt_logprobs)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -119,10 +160,12 @@ class CompletionRequest(_Sampling):
 
     def scored_prompt(self) -> int | None:
         """The engine's prompt_logprobs: echo with logprobs scores the prompt (the legacy logprobs
-        object covers it), as does max_tokens 0, whose reply is the prompt only. Neither streams."""
-        for name in ("echo", "prompt_logprobs"):
-            if getattr(self, name) not in (None, False) and self.stream:
-                raise ApiError(f"{name} with stream is not supported: ask for the whole reply", param=name)
+        object covers it), as does max_tokens 0, whose reply is the prompt only. A stream with echo
+        sends the prompt (and its logprobs) in each choice's first chunk, as vLLM; vLLM's own
+        prompt_logprobs field is not streamed."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError("prompt_logprobs with stream is not supported: ask for the whole reply",
+                           param="prompt_logprobs")
         if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
             raise ApiError("max_tokens 0 returns nothing without echo or prompt_logprobs", param="max_tokens")
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
@@ -142,7 +185,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
-    tool_calls: list[Any] | None = Field(None, description="not supported: a 400")
+    tool_calls: Annotated[list[Any] | None, _at_most(MAX_ITEMS)] = Field(
+        None, description="not supported: a 400")
     function_call: Any = Field(None, description="not supported: a 400")
 
     def text(self) -> str:
@@ -152,7 +196,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], _at_most(MAX_MESSAGES)] = Field(..., min_length=1)
+    messages: Annotated[list[ChatMessage], _parts_at_most(MAX_CONTENT_PARTS), _at_most(MAX_MESSAGES)] = Field(
+        ..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -161,13 +206,15 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None  # no tools: accepted, no effect
     reasoning_effort: str | None = None
     # OpenAI fields kvstate does not do: refused by name (`unsupported`) rather than ignored
-    tools: list[Any] | None = Field(None, description="not supported: a 400")
+    tools: Annotated[list[Any] | None, _at_most(MAX_ITEMS)] = Field(None, description="not supported: a 400")
     tool_choice: Any = Field(None, description="not supported (only \"none\"): a 400")
-    functions: list[Any] | None = Field(None, description="not supported: a 400")
+    functions: Annotated[list[Any] | None, _at_most(MAX_ITEMS)] = Field(None, description="not supported: a 400")
     function_call: Any = Field(None, description="not supported: a 400")
-    response_format: dict[str, Any] | None = Field(None, description="only {\"type\": \"text\"}")
+    response_format: Annotated[dict[str, Any] | None, _at_most(MAX_ITEMS)] = Field(
+        None, description="only {\"type\": \"text\"}")
     audio: Any = Field(None, description="not supported: a 400")
-    modalities: list[str] | None = Field(None, description="only [\"text\"]")
+    modalities: Annotated[list[str] | None, FAIL_FAST, _at_most(MAX_LIST)] = Field(
+        None, description="only [\"text\"]")
     prediction: Any = Field(None, description="not supported: a 400")
 
     def unsupported(self) -> str | None:

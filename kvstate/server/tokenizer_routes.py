@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstate.errors import KvstateError
+from kvstate.server.body import ThreadedBodyRoute
 from kvstate.server.openai_routes import _check_model, _check_text
 from kvstate.server.protocol import ApiError
+from kvstate.server.schemas import MAX_MESSAGES, TokenIds, _at_most
 
-router = APIRouter()
+router = APIRouter(route_class=ThreadedBodyRoute)
 
 
 class _Message(BaseModel):
@@ -28,7 +32,8 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = Field(None, description="a text (or give messages)")
-    messages: list[_Message] | None = Field(None, description="a chat, rendered with the model's chat template")
+    messages: Annotated[list[_Message] | None, _at_most(MAX_MESSAGES)] = Field(
+        None, description="a chat, rendered with the model's chat template")
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -38,7 +43,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int] = Field(..., description="token ids")
+    tokens: TokenIds = Field(..., description="token ids")
 
 
 def _tokenizer(loop):

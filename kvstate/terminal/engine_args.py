@@ -27,11 +27,20 @@ def interval_arg(text: str):
     return "auto" if text == "auto" else count_arg(text)
 
 
+def activation_dtype_arg(text: str) -> str:
+    """--activation-dtype: fp32, bf16 or bf16x3."""
+    from kvstate.engine.config import ACTIVATION_DTYPES
+
+    if text not in ACTIVATION_DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(ACTIVATION_DTYPES)}, got {text!r}")
+    return text
+
+
 # the argparse type of each engine setting on the command line (a bool is a switch, a str as given)
 ARG_TYPES = {"block_size": count_arg, "max_num_seqs": count_arg, "max_num_batched_tokens": count_arg,
              "max_model_len": count_arg, "seed": seed_arg, "snapshot_interval": interval_arg,
              "num_snapshot_slots": whole_number(0), "prefix_align": count_arg, "weight_dtype": weight_dtype_arg,
-             "tensor_parallel_size": count_arg}
+             "activation_dtype": activation_dtype_arg, "tensor_parallel_size": count_arg}
 
 
 def add_engine_args(parser, names: tuple[str, ...]) -> None:

@@ -76,12 +76,17 @@ def cache_layout(family: str, cfg) -> tuple[int, int]:
     raise KeyError(family)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    hf = FAMILIES[request.param]()
+def saved(families: dict, request, tmp_path_factory):
+    """(path, transformers model, family) of the tiny checkpoint `families[request.param]()` saves."""
+    hf = families[request.param]()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return path, hf, request.param
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    return saved(FAMILIES, request, tmp_path_factory)
 
 
 def small_llm(path, num_seqs=6, blocks=24, block_size=4, budget=24):

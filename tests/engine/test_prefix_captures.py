@@ -1,5 +1,6 @@
 """Snapshots inside a prefill chunk on the four families' tiny checkpoints (Qwen3.5, Kimi Linear,
-Nemotron-H-style Mamba-2, Jamba), with n-gram speculation on as well: a first request runs the same
+Nemotron-H-style Mamba-2, Jamba), with n-gram speculation and a draft model on as well (MTP:
+test_mtp_prefix): a first request runs the same
 chunks with prefix caching on (snapshot points from cache_prefix, the interval and the repeat) as
 with it off, the step asks for the states at those points, and requests that resume from each of
 them give the plain engine's tokens."""
@@ -36,8 +37,10 @@ def steps_of(llm, prompt):
     return sizes, captures, out
 
 
-@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+@pytest.mark.parametrize("spec", [None, NGRAM, "draft"], ids=["plain", "ngram", "draft model"])
 def test_first_request_runs_the_same_chunks_and_later_ones_resume_exactly(path, spec):  # noqa: F811
+    if spec == "draft":  # the checkpoint drafts for itself: every verify entry carries its drafts
+        spec = {"model": str(path), "num_speculative_tokens": 3}
     kw = dict(cache_memory="16MiB", block_size=4, speculative_config=spec, max_num_batched_tokens=32)
     plain = LLM(path, **kw)
     cached = LLM(path, enable_prefix_caching=True, snapshot_interval=16, **kw)

@@ -313,7 +313,9 @@ def check_pools(s: Scheduler) -> None:
         assert q.num_computed_tokens == 0
 
 
-def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int) -> dict:
+def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int, groups: int = 0) -> dict:
+    """`groups`: requests come in fan-outs of 1-6 sequences from that many client groups (fair-share
+    admission and preemption); `num_requests` may then be overshot by a fan-out."""
     import random
 
     rng = random.Random(seed)
@@ -324,7 +326,10 @@ def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int
             prompt = [rng.randrange(1, cfg.vocab_size) for _ in range(rng.randint(1, max_prompt))]
             if rng.random() < 0.03:
                 prompt[-1] = cfg.vocab_size  # malformed: rejected, the others carry on
-            added.append(s.add(len(added), prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 12))))
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 12))
+            group = rng.randrange(groups) if groups else None
+            for _ in range(rng.randint(1, 6) if groups else 1):  # a group's request fans out
+                added.append(s.add(len(added), prompt, params, group=group))
         if s.running and rng.random() < 0.01:
             s.abort(rng.choice(s.running).request_id)
         sched = s.schedule()
@@ -337,7 +342,7 @@ def simulate(cfg: SchedulerConfig, seed: int, num_requests: int, max_prompt: int
         check_pools(s)
         stats["steps"] += 1
         assert stats["steps"] < 50 * num_requests * cfg.max_model_len, "the scheduler stopped making progress"
-    assert sorted(done) == list(range(num_requests))  # every request finished, once
+    assert sorted(done) == list(range(len(added)))  # every request finished, once
     for seq in added:
         if seq.finish_reason == "error":
             assert "outside the vocabulary" in seq.error

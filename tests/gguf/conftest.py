@@ -46,17 +46,20 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """{"f32", "bf16", "moe", "next", "mamba2"} and each with "ckpt-" -> path: the GGUF files and their
-    checkpoints (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE, Qwen3-Next and Mamba-2 in fp32)."""
+    """{"f32", "bf16", "moe", "next", "mamba2", "nemotron_h"} and each with "ckpt-" -> path: the GGUF files
+    and their checkpoints (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE, Qwen3-Next, Mamba-2 and a
+    Nemotron-H of Mamba-2, attention and MLP blocks in fp32)."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
     from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
-                              Qwen3NextConfig, Qwen3NextForCausalLM, Mamba2Config, Mamba2ForCausalLM)
+                              Qwen3NextConfig, Qwen3NextForCausalLM, Mamba2Config, Mamba2ForCausalLM,
+                              NemotronHConfig, NemotronHForCausalLM)
 
     from kvstate.bench.llama_cpp import convert
     from tests.models.checks import redraw_weights
     from tests.models.test_qwen3_5 import TEXT
     from tests.models.test_mamba2 import BASE as MAMBA2
+    from tests.models.test_nemotron_h import BASE as NEMOTRON_H
     from tests.models.test_qwen3_next import BASE as NEXT
 
     root = tmp_path_factory.mktemp("gguf")
@@ -80,10 +83,14 @@ def converted(tmp_path_factory):
     nxt = Qwen3NextForCausalLM(Qwen3NextConfig(**{**NEXT, "vocab_size": VOCAB})).eval()
     torch.manual_seed(3)
     mamba2 = Mamba2ForCausalLM(Mamba2Config(**{**MAMBA2, "vocab_size": VOCAB})).eval()
-    for kind, model in (("moe", moe), ("next", nxt), ("mamba2", mamba2)):
+    torch.manual_seed(4)  # Mamba-2, attention and MLP blocks (the converter writes nemotron_h_moe: MoE fields)
+    nemotron = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, "vocab_size": VOCAB,
+                                                       "hybrid_override_pattern": "M*-M-*"})).eval()
+    for kind, model in (("moe", moe), ("next", nxt), ("mamba2", mamba2), ("nemotron_h", nemotron)):
         redraw_weights(model, 1)
         model.save_pretrained(root / f"ckpt-{kind}")
         _tokenizer(root / f"ckpt-{kind}")
         out[f"ckpt-{kind}"] = root / f"ckpt-{kind}"
-        out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf", no_mtp=kind != "mamba2")
+        no_mtp = kind not in ("mamba2", "nemotron_h")  # families whose converter refuses --no-mtp
+        out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf", no_mtp=no_mtp)
     return out

@@ -1,5 +1,6 @@
 """A GGUF file made by llama.cpp's own converter loads into the model the checkpoint gives: same plan,
-same logits (F32 and BF16 files; Qwen3.5 dense and MoE, Qwen3-Next, Mamba-2), same tokenizer and chat template."""
+same logits (F32 and BF16 files; Qwen3.5 dense and MoE, Qwen3-Next, Mamba-2, Nemotron-H), same tokenizer and chat
+template."""
 
 import json
 
@@ -16,7 +17,7 @@ SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
 def test_gguf_plan_is_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe", "next", "mamba2"):
+    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h"):
         ours, theirs = read_plan(converted[kind]), read_plan(converted[f"ckpt-{kind}"])
         assert ours.layer_string == theirs.layer_string
         assert ours.layers == theirs.layers
@@ -25,7 +26,7 @@ def test_gguf_plan_is_the_checkpoints(converted):
 
 
 def test_gguf_logits_equal_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe", "next", "mamba2"):
+    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h"):
         ref, _ = load_model(converted[f"ckpt-{kind}"])
         model, plan = load_model(converted[kind])
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32
@@ -63,3 +64,22 @@ def test_llm_takes_a_gguf_and_chats_like_the_checkpoint(converted):
     assert ours.tokenizer.apply_chat_template(messages) == theirs.tokenizer.apply_chat_template(messages)
     got, want = ours.generate(["def f(x):"], params)[0], theirs.generate(["def f(x):"], params)[0]
     assert got.token_ids == want.token_ids and got.text == want.text
+
+
+def test_the_folders_tensor_table_reads_as_gguf_reads_the_file(converted, tmp_path):
+    """The loader reads tensors through the folder's table (no metadata parse): the same tensors, bytes and
+    views as gguf's reader, and a quantized file loads the same through either."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from kvstate.gguf.tensors import open_tensors
+    from tests.gguf.rewrite import rewrite
+
+    quant = rewrite(converted["bf16"], tmp_path / "q4_0.gguf", qtype=GGMLQuantizationType.Q4_0)
+    for path in (converted["f32"], converted["bf16"], quant):
+        table = open_tensors(resolve_checkpoint(path) / "model.gguf")
+        theirs = GGUFReader(str(path)).tensors
+        assert [t.name for t in table.tensors] == [t.name for t in theirs]
+        for ours, t in zip(table.tensors, theirs):
+            assert ours.tensor_type == t.tensor_type and ours.data.shape == t.data.shape
+            assert ours.data.dtype == t.data.dtype and np.array_equal(ours.data, t.data), t.name

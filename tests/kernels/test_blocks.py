@@ -193,3 +193,58 @@ def test_linear_takes_the_kernel_for_few_rows_and_torch_beyond(backend):
         assert ran == (1 if backend != "torch" and rows <= MAX_ROWS else 0), (backend, rows)
         ref = F.linear(x.double(), w.double(), m.bias.double())
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_fused_block_linears_project_like_each_alone():
+    """`kernels.fused` concatenates rows of blocks of one type (GGUF's q/k/v, gate/up) into one call;
+    linears of different block types stay apart."""
+    from kvstate.kernels.fused import fuse, project
+
+    parts = [_block_linear("Q4_K", n, 512, bias=False, seed=20 + n)[0] for n in (16, 8, 40)]
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        alone = [m(x) for m in parts]
+        group = fuse(*parts)
+        assert group is not None and group.format == "Q4_K" and tuple(group.weight.shape) == (64, 2 * 144)
+        for got, ref in zip(project(x, *parts), alone):
+            assert torch.equal(got, ref)
+        assert all(m.weight.data_ptr() == group.weight[i].data_ptr() for m, i in zip(parts, (0, 16, 24)))
+    q6 = _block_linear("Q6_K", 8, 512, bias=False, seed=30)[0]
+    assert fuse(_block_linear("Q4_K", 8, 512, bias=False, seed=31)[0], q6) is None
+    assert fuse(Linear(512, 8, bias=False), q6) is None
+
+
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+def test_compiled_dequantizer_equals_gguf_bit_for_bit_on_each_isa(qtype):
+    """`quant_dequantize` (the prefill GEMM's tiles) gives exactly gguf's weights, on each ISA."""
+    ext = extension()
+    raw = random_blocks(qtype, 37, 1280 // TYPES[qtype].block, seed=11)
+    ref = quants.dequantize(raw, _gguf_type(qtype))
+    for isa in [i for i in ext.isas() if i != "amx"]:
+        got = ext.quant_dequantize(torch.from_numpy(raw), TYPES[qtype].type_id, isa)
+        assert got.dtype == torch.float32 and np.array_equal(got.numpy(), ref), isa
+    with pytest.raises(RuntimeError, match="rows of 100 bytes are not whole blocks"):
+        ext.quant_dequantize(torch.zeros(2, 100, dtype=torch.uint8), 12)
+
+
+def test_prefill_rows_follow_the_bf16_opt_in():
+    """Under set_activation_dtype("bf16") the GEMM path's tiles and x are rounded to bf16 (llama.cpp's
+    precision); the default stays fp32 math on the exact weights."""
+    from kvstate.kernels import activation
+
+    extension()
+    if not activation.available():
+        pytest.skip("no AVX512_BF16 on this CPU")
+    m, w = _block_linear("Q6_K", 48, 512, bias=True, seed=12)
+    x = torch.randn(MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(12))
+    rounded = F.linear(x.bfloat16().double(), w.bfloat16().double(), m.bias.double())
+    exact = F.linear(x.double(), w.double(), m.bias.double())
+    with torch.no_grad():
+        activation.set_activation_dtype("bf16")
+        try:
+            y = m(x).double()
+        finally:
+            activation.set_activation_dtype("fp32")
+        assert (y - rounded).abs().max() <= 1e-2 * rounded.abs().max()
+        assert (y - exact).abs().max() > 1e-4 * exact.abs().max()  # x's rounding shows
+        assert (m(x).double() - exact).abs().max() <= 1e-5 * exact.abs().max()

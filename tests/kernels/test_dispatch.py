@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvstate import kernels
-from kvstate.kernels import _ext, dispatch
+from kvstate.kernels import activation, _ext, dispatch
 from tests.kernels.conftest import assert_close_to_truth, extension
 
 BACKENDS = ["auto", "torch", "amx", "avx512", "avx2"]
@@ -83,7 +83,9 @@ def test_what_goes_to_torch(monkeypatch):
     calls.clear()
     xbb = torch.cat([xb, xb])
     torch.testing.assert_close(kernels.linear(xbb, w.bfloat16()), xbb @ w.bfloat16().float().T)
-    assert calls == []
+    # where the CPU has AVX512_BF16 (and no AMX) the extension's GEMM serves these rows too
+    assert len(calls) == (1 if activation.gemm_serves("auto") else 0)
+    calls.clear()
     wg = w.clone().requires_grad_()
     kernels.linear(torch.randn(2, 16), wg).sum().backward()
     assert wg.grad is not None

@@ -43,6 +43,14 @@ def save_and_load(hf_model, tmp_path):
     return model, plan
 
 
+def tiny_model(model_class, config_class, seed: int, **config):
+    """transformers' `model_class(config_class(**config))` in eval mode, its weights redrawn at unit scale."""
+    torch.manual_seed(seed)
+    hf = model_class(config_class(**config)).eval()
+    redraw_weights(hf, seed)
+    return hf
+
+
 def redraw_weights(model: torch.nn.Module, seed: int) -> None:
     """Redraw a tiny model's weights at unit scale, so that a wrong detail moves the logits.
 
@@ -98,15 +106,15 @@ def check_load_fails(path, edit, match: str, dest=None) -> None:
 
 
 def check_plan_matches_model(plan, model) -> None:
-    """Every layer's mixer is the class its plan spec maps to, built from that spec (so its cache is
-    the spec's cache entry), and the model has exactly as many parameters as the planner estimates."""
+    """Every layer's mixers (side by side: each of them) are the classes their plan specs map to, built
+    from those specs (so their caches are the spec's cache entries), and the model has exactly as many
+    parameters as the planner estimates."""
     from kvstate.models.build import mixer_class
 
     assert model.plan is plan
     for block, layer in zip(model.layers, plan.layers, strict=True):
         assert (block.mixer is None) == (not layer.mixers)
-        if layer.mixers:
-            assert type(block.mixer) is mixer_class(layer.mixers[0])
+        assert [type(m) for m in block.mixer_modules()] == [mixer_class(spec) for spec in layer.mixers]
     assert sum(p.numel() for p in model.parameters()) == plan.params.total
 
 

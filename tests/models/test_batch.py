@@ -84,3 +84,18 @@ def test_decode_at_equals_a_built_decode_step_at_those_rows(rows):
         assert torch.equal(g.slots, w.slots) and torch.equal(g.cu_seqlens, w.cu_seqlens)
         assert (g.fresh_slots is None) == (w.fresh_slots is None)
         assert g.fresh_slots is None or torch.equal(g.fresh_slots, w.fresh_slots)
+
+
+def test_side_by_side_mixers_get_both_caches_in_one_layer():
+    """A block with attention and Mamba-2 side by side: its pool holds K/V blocks and a state slot, the bytes
+    the cache spec (and so the planner) gives."""
+    from kvstate.cache.pools import allocate_pools
+    from kvstate.cache.spec import cache_spec
+    from kvstate.families import read_plan
+    from tests.parallel.test_plan import SIDE_BY_SIDE
+
+    spec = cache_spec(read_plan(SIDE_BY_SIDE), kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
+    assert [e.kind for e in spec.entries] == ["attention", "mamba2"] * 2
+    pools = allocate_pools(spec, num_blocks=3, block_size=4, num_slots=2)
+    assert all(p.k is not None and p.v is not None and p.state is not None and p.conv is not None for p in pools)
+    assert sum(p.nbytes() for p in pools) == 3 * 4 * spec.kv_bytes_per_token + 2 * spec.state_bytes

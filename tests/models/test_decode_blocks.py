@@ -134,3 +134,30 @@ def test_verify_steps_run_compiled_and_equal_per_op_bitwise(checkpoints, weights
     assert len(ran) == 2 * len(model.layers)  # the verify step and the decode after it, every block
     for a, b in zip((got[0], got[1], *got[2]), (ref[0], ref[1], *ref[2])):
         assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def qwen_256(tmp_path_factory):
+    """Qwen3.5 whose every projection has K a multiple of 256 (Q4_K blocks fit all of them)."""
+    torch.manual_seed(1)
+    cfg = dict(TEXT, hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
+    return _saved(Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=256, **cfg)).eval(),
+                  tmp_path_factory.mktemp("qwen256"))
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_compiled_blocks_with_ggml_blocks_equal_per_op_bitwise(qwen_256, weights, n, monkeypatch):
+    """GGML block weights (fused groups of one type) run in the compiled blocks, through the same
+    block kernel as the per-op path: the same logits, bit for bit."""
+    extension()
+    model, _ = load_model(qwen_256, weight_dtype=weights)
+    assert all(m.mixer.in_proj_qkv.weight_format == weights.upper() for m in model.layers
+               if hasattr(m.mixer, "in_proj_qkv"))
+    assert model.layers[0].ffn.down_proj.weight_format == weights.upper()
+    ran = []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
+    ref, got = _both(model, n)
+    assert len(ran) == 6 * len(model.layers)
+    assert torch.equal(got, ref)

@@ -103,8 +103,21 @@ def test_q8_0_on_the_command_line(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_dtype"] == "q8_0"
-    assert 0 < out["q8_0_logit_error"]["rel"] < 0.1 and out["q8_0_logit_error"]["positions"] == 6
+    assert 0 < out["quant_logit_error"]["rel"] < 0.1 and out["quant_logit_error"]["positions"] == 6
     with pytest.raises(SystemExit) as exit_:  # argparse's one line, exit code 2
         main(["generate", "hi", "--weight-dtype", "q3_k"])
     assert exit_.value.code == 2
     assert "--weight-dtype: expected bf16, fp32, int8, q8_0, q4_0 or q4_k" in capsys.readouterr().err
+
+
+def test_a_block_that_fits_no_row_is_said_in_one_line(checkpoint, capsys):
+    """q4_k's 256-weight blocks do not fit the GDN output projection (rows of 192): it keeps fp32, and the
+    load says how many projections were quantized (a model no row of which fits would be all fp32)."""
+    model, _ = load_model(checkpoint, weight_dtype="q4_k")
+    kept = [n for n, m in _linears(model).items() if m.weight_format is None and n != "lm_head"]
+    held = [n for n, m in _linears(model).items() if m.weight_format == "Q4_K"]
+    assert kept and all(n.endswith("out_proj") for n in kept)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--weight-dtype q4_k quantized {len(held)} of {len(held) + len(kept)}" in err
+    load_model(checkpoint, weight_dtype="q8_0")  # every row fits: nothing to say
+    assert capsys.readouterr().err == ""

@@ -117,4 +117,4 @@ def test_int8_on_the_command_line(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_dtype"] == "int8"
-    assert 0 < out["int8_logit_error"]["rel"] < 0.1 and out["int8_logit_error"]["positions"] == 6
+    assert 0 < out["quant_logit_error"]["rel"] < 0.1 and out["quant_logit_error"]["positions"] == 6

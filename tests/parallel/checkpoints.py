@@ -16,7 +16,7 @@ import torch
 from tests.models.checks import redraw_weights
 
 VOCAB = 101
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h", "mamba2", "jamba", "dense")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h", "mamba2", "jamba", "dense", "lfm2", "falcon_h1")
 # (query heads, KV heads) 4/2 everywhere but Jamba's 4/1: at TP 2 and 4 its KV head is replicated
 _QWEN = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16,
@@ -61,6 +61,19 @@ def _model(family: str, vocab: int = VOCAB):
         return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                                   attention_bias=True, mlp_bias=True))
+    if family == "lfm2":  # short-conv channels (64) split; 4/2 attention heads
+        return tf.Lfm2ForCausalLM(tf.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=144, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"], block_multiple_of=16,
+            conv_bias=True))
+    if family == "falcon_h1":  # both mixers of each block split; at TP 4 a Mamba-2 norm group spans two ranks
+        return tf.FalconH1ForCausalLM(tf.FalconH1Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8,
+            mamba_n_groups=2, mamba_d_conv=4, mamba_rms_norm=True, attention_bias=True, projectors_bias=True,
+            attention_in_multiplier=0.75, attention_out_multiplier=1.25, key_multiplier=0.5, ssm_in_multiplier=0.625,
+            ssm_out_multiplier=1.375, mlp_multipliers=[0.875, 1.125], ssm_multipliers=[0.5, 0.75, 1.0, 1.25, 1.5],
+            embedding_multiplier=2.0, lm_head_multiplier=0.5))
     raise ValueError(family)
 
 

@@ -133,7 +133,8 @@ def test_two_ranks_every_family(checkpoints, reference, tmp_path, capsys):
 
 
 def test_four_ranks_where_heads_divide(checkpoints, reference, tmp_path, capsys):
-    """Qwen3.5 (KV heads 2 < 4: replicated) and Nemotron-H (Mamba-2 groups 2 < 4: a norm group spans ranks)."""
+    """Qwen3.5 (KV heads 2 < 4: replicated), Nemotron-H and Falcon-H1 (Mamba-2 groups 2 < 4: a norm group
+    spans ranks; Falcon-H1's norms before gating)."""
     torch.set_num_threads(1)
-    fams = ["qwen3_5", "nemotron_h"]
+    fams = ["qwen3_5", "nemotron_h", "falcon_h1"]
     check(run_tp(checkpoints, fams, 4, tmp_path), checkpoints, reference, 4, capsys)

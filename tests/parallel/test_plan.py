@@ -90,3 +90,49 @@ def test_default_cache_budget_is_the_rank_plans_need():
                                       "state": 2 * spec.state_bytes}
     assert core.runner.sizes.num_blocks * 16 * spec.kv_bytes_per_token + 2 * spec.state_bytes <= \
         2 * (spec.state_bytes + 64 * spec.kv_bytes_per_token)
+
+
+def test_parallel_has_no_mixer_kind_ladder():
+    """Each mixer kind says how it shards (kvstate.config.mixers): parallel/ asks no isinstance(..., *Spec)."""
+    import ast
+    from pathlib import Path
+
+    import kvstate.parallel
+
+    for path in Path(kvstate.parallel.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                assert not any(n.endswith("Spec") for n in names), f"{path.name}:{node.lineno}"
+
+
+# Falcon-H1's layout, tiny: attention and Mamba-2 side by side in every block
+SIDE_BY_SIDE = dict(model_type="falcon_h1", vocab_size=128, hidden_size=64, intermediate_size=96,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2,
+                    mamba_d_conv=4, mamba_rms_norm=True, attention_bias=True, projectors_bias=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_side_by_side_mixers_shard_each_and_cut_the_built_parameters(tp):
+    """Every mixer of a block shards as its kind says: the rank model (built on meta) has the rank plan's
+    parameters, the rank cache is both caches' share, and each cut names a parameter of the full model."""
+    from kvstate.config.options import ModelOptions
+    from kvstate.parallel.shard import model_cuts
+
+    plan = read_plan(SIDE_BY_SIDE)
+    assert plan.layer_string == "HH" and plan.layers[0].mixer_names == ("mixer.attention", "mixer.mamba2")
+    assert tp_problems(plan, tp) == []
+    local = shard_plan(plan, tp, tp - 1)
+    model = build_model(local, ModelOptions(), device="meta")
+    assert sum(p.numel() for p in model.parameters()) == local.params.total
+    full_spec, mine = cache_spec(plan), cache_spec(local)
+    assert mine.recurrent_state_bytes * tp == full_spec.recurrent_state_bytes  # B/C groups may be replicated
+    assert mine.kv_bytes_per_token == full_spec.kv_bytes_per_token // 2  # 2 KV heads: split, or one per rank
+    full = dict(build_model(plan, ModelOptions(), device="meta").named_parameters())
+    cuts, zero = model_cuts(plan, tp, tp - 1)
+    assert "layers.1.mixer.mamba2.in_proj.weight" in cuts and "layers.0.mixer.attention.o_proj.bias" in zero
+    for name, cut in cuts.items():
+        if name in full:
+            assert full[name].shape[cut.dim] == cut.full, name
+    assert all(n in full for n in cuts if ".mixer." in n and not n.endswith(".bias"))

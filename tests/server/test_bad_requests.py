@@ -44,7 +44,6 @@ BAD = [  # (path, body or raw bytes, expected status, the param named or None)
     (C, {**OK_C, "stop": 5}, 400, "stop"),
     (C, {**OK_C, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     (C, {**OK_C, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
-    (C, {**OK_C, "echo": True, "stream": True}, 400, "echo"),
     (C, {**OK_C, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     (C, {**OK_C, "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     (C, {**OK_C, "best_temperature": 1}, 400, "best_temperature"),

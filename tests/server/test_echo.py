@@ -126,3 +126,52 @@ def test_lm_eval_detects_the_remote_tokenizer(live_server):
     assert utils.check_remote_tokenizer_support(live_server.url + "/v1/completions")
     remote = utils.RemoteTokenizer(live_server.url + "/v1/completions")
     assert remote.decode(remote.encode(TEXT)) == TEXT
+
+
+def _streamed(client, body) -> dict:
+    """The choices of a streamed completion, each chunk's text and logprobs lists joined."""
+    import json
+
+    choices: dict = {}
+    with client.stream("POST", C, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                got = choices.setdefault(c["index"], {"text": "", "logprobs": None, "finish_reason": None})
+                got["text"] += c["text"]
+                got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+                if c["logprobs"] is not None:
+                    lp = got["logprobs"] = got["logprobs"] or {k: [] for k in c["logprobs"]}
+                    for k, v in c["logprobs"].items():
+                        lp[k] += v
+    return choices
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [[5, 9, 12, 40, 7], [3, 3, 8]], "logprobs": 1, "max_tokens": 3, "temperature": 0},  # lm-eval's
+    {"prompt": TEXT, "logprobs": 2, "max_tokens": 0},
+    {"prompt": [TEXT, "a b"], "max_tokens": 4, "temperature": 0},
+    {"prompt": TEXT, "logprobs": 1, "max_tokens": 4, "n": 2, "seed": 7, "temperature": 1.0},
+], ids=["ids batch", "max_tokens 0", "no logprobs", "n=2 seeded"])
+def test_a_streamed_echo_equals_the_whole_reply(client, body):
+    """The prompt (and its logprobs) come in each choice's first chunk, then the generated tokens:
+    joined, the same text, tokens, logprobs and text offsets as the reply sent whole."""
+    body = {**body, "echo": True, "ignore_eos": True}
+    whole = client.post(C, json=body)
+    assert whole.status_code == 200, whole.text
+    streamed = _streamed(client, body)
+    choices = whole.json()["choices"]
+    assert sorted(streamed) == [c["index"] for c in choices]
+    for c in choices:
+        got = streamed[c["index"]]
+        assert got["text"] == c["text"] and got["finish_reason"] == c["finish_reason"]
+        if c["logprobs"] is None:
+            assert got["logprobs"] is None
+            continue
+        for key in ("tokens", "text_offset", "top_logprobs"):
+            assert got["logprobs"][key] == c["logprobs"][key], key
+        pairs = list(zip(got["logprobs"]["token_logprobs"], c["logprobs"]["token_logprobs"]))
+        assert len(pairs) == len(c["logprobs"]["tokens"]) and pairs[0] == (None, None)
+        assert all(abs(a - b) < 1e-5 for a, b in pairs[1:])

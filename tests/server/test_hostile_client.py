@@ -232,7 +232,7 @@ TABLE = [  # (name, method, path, json body or raw bytes, status, param)
      "prompt"),  # more than half of --max-num-seqs (32)
     ("1500 chat turns", "POST", CHAT, {"messages": [{"role": "user", "content": "hi"}] * 1500}, 400, "messages"),
     ("270k empty messages", "POST", CHAT, {"messages": [{"role": "user", "content": ""}] * 270_000}, 400,
-     "messages"),
+     None),  # more JSON objects than a body may hold (kvstate.server.body), refused before parsing
     ("top_p 1e-46", "POST", C, {"prompt": "hi", "top_p": 1e-46}, 400, "top_p"),
     ("repetition_penalty 1e-46", "POST", C, {"prompt": "hi", "repetition_penalty": 1e-46}, 400,
      "repetition_penalty"),
@@ -247,6 +247,14 @@ TABLE = [  # (name, method, path, json body or raw bytes, status, param)
         {"impl": "kvstate", "phase": "decode", "batch": 1, "tokens_per_s": 10, "ms_per_step": 1}]}}, 400, None),
     ("bench run without the flag", "POST", SCALE + "/run", {}, 403, None),
     ("compare a server path", "POST", "/explorer/api/compare", {"other": "/etc"}, 400, "other"),
+    # validation that held the event loop (kvstate.server.body): one error object per bad item, a union
+    # over every prompt form, nested objects parsed and validated on the loop
+    ("1.5M bad token ids", "POST", C, {"prompt": [1] + ["a"] * 1_500_000}, 400, "prompt"),
+    ("400k prompts of ids", "POST", C, {"prompt": [[1, 2]] * 400_000}, 400, None),
+    ("5000 content parts", "POST", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]
+                                                        * 5000}]}, 400, "messages"),
+    ("200k metadata entries", "POST", C, {"prompt": "hi", "metadata": {str(i): [1, [2, {"a": 3}]]
+                                                                       for i in range(200_000)}}, 400, None),
 ]
 
 
@@ -259,6 +267,39 @@ def test_each_hostile_request_is_a_clear_4xx(server, name, method, path, body, s
     resp = client.request(method, path, **kwargs)
     FIGURES["timings"][name] = time.perf_counter() - start
     _assert_error(resp, status, param)
+
+
+def test_six_large_bodies_at_once_leave_health_answering(server):
+    """Six 5.9 MB prompts of token ids at once: validated on the event loop they held /health 1.5 s."""
+    url, client, *_ = server
+    body = json.dumps({"prompt": list(range(200)) * 6000}).encode()
+    codes = []
+
+    def send():
+        codes.append(client.post(C, content=body, headers={"content-type": "application/json"}).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert codes == [400] * 6  # longer than the model
+
+
+def test_a_burst_of_1000_connections_opened_and_closed(server):
+    url, client, proc, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(1000):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, int(port)))
+        socks.append(s)
+    time.sleep(1.0)
+    for s in socks:
+        s.close()
+    time.sleep(0.5)
+    assert proc.poll() is None and client.get("/health").status_code == 200
 
 
 def test_a_body_without_length_is_cut_off_past_the_limit(server):

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "decode_ops.h"
+#include "quant_blocks.h"
 
 namespace {
 
@@ -34,15 +35,21 @@ struct Threads {
   }
 };
 
-// A weight matrix [N, K] (fp32, bf16, or int8 with its per-row scale [N]).
+// A weight matrix [N, K] (fp32, bf16, int8 with its per-row scale [N], or GGML blocks of `type`).
 struct Weight {
   Tensor w;
   OptT scale;
+  int64_t type = 0;  // GGML_TYPE_* of uint8 blocks [N, bytes per row], else 0
+  int64_t k() const {  // weights per row
+    namespace q = kvstate::quant;
+    return type ? w.size(1) / q::block_bytes(int(type)) * q::block_weights(int(type)) : w.size(1);
+  }
 };
 
 // the best ISA the CPU has: Python runs compiled blocks only when no backend is forced
 Tensor gemv(const Tensor& x, const Weight& w, int64_t wide) {
   Threads t(wide);
+  if (w.type) return kvstate::op::quant_linear(x.to(at::kFloat), w.w, c10::nullopt, w.type, "auto");
   return kvstate::op::linear(x, w.w, w.scale, "auto");
 }
 
@@ -65,7 +72,7 @@ struct Mlp {
   std::tuple<Tensor, Tensor> run(const Tensor& x, const Tensor& mixed, int64_t wide) const {
     auto [sum, h] = kvstate::op::add_rms_norm(x, mixed, norm.w, norm.eps, norm.offset);
     const Tensor gu = gemv(h, w_gu, wide);
-    const int64_t I = w_down.w.size(1);
+    const int64_t I = w_down.k();
     const Tensor act = kvstate::op::silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
     return {sum, gemv(act, w_down, wide)};
   }
@@ -333,9 +340,17 @@ namespace kvstate {
 
 void register_decode_blocks(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<Weight>(m, "Weight", "a weight matrix for the compiled blocks: fp32, bf16, or int8 with per-row scales")
-      .def(py::init([](Tensor w, OptT scale) { return Weight{w, scale}; }), py::arg("weight"),
-           py::arg("scale") = py::none());
+  py::class_<Weight>(m, "Weight",
+                     "a weight matrix for the compiled blocks: fp32, bf16, int8 with per-row scales, or GGML blocks "
+                     "(uint8 [N, bytes per row]) of GGML type `type`")
+      .def(py::init([](Tensor w, OptT scale, int64_t type) {
+             namespace q = kvstate::quant;
+             TORCH_CHECK(type == 0 || (q::block_weights(int(type)) > 0 && w.scalar_type() == at::kByte &&
+                                       w.dim() == 2 && w.size(1) % q::block_bytes(int(type)) == 0),
+                         "kvstate Weight: GGML type ", type, " needs uint8 blocks [N, a multiple of its block bytes]");
+             return Weight{w, scale, type};
+           }),
+           py::arg("weight"), py::arg("scale") = py::none(), py::arg("type") = 0);
   py::class_<GdnBlock>(m, "GdnBlock", "a Gated DeltaNet + gated MLP block of a decode step, one call")
       .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Weight w_in, int64_t n_qkv, int64_t n_z,
                        int64_t n_b, Tensor conv_w, Tensor A_log, Tensor dt_bias, Tensor gnorm_w, double gnorm_eps,

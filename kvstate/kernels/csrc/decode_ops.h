@@ -62,6 +62,10 @@ std::vector<std::pair<std::string, int64_t>> gdn_head_calls();
 namespace kvstate::op {
 using torch::Tensor;
 Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& scale, const std::string& isa);
+// GGML blocks [N, bytes per row] of `type` (quant_gemv.cpp); isa "auto": the best vector ISA within the cap
+Tensor quant_linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
+                    const std::string& isa);
+std::string vector_isa();  // the best of avx512 / avx2 that "auto" may use (gemv.cpp)
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset);
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,
                                         double offset);

@@ -83,19 +83,34 @@ void set_activation_parts(int parts) {
   activation_parts = parts;
 }
 
-// y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads.
+// From this many x rows the bf16 mode runs the GEMM (below, the skinny kernel: the GEMM's packing of W
+// costs more than it saves); tests and benchmarks move it to force either path.
+std::atomic<int64_t> gemm_rows{kvstate::avx512bf16::kGemmRows};
+
+// y = x @ W^T (+ bias) by vdpbf16ps, x in `parts` bf16 parts, the W rows split over the threads: the
+// skinny kernel for few rows, the GEMM (x rounded to bf16 only) from kGemmRows rows on.
 void linear_bf16dp(const torch::Tensor& x, const torch::Tensor& w, const float* bias, torch::Tensor& y, int parts) {
+  namespace bf = kvstate::avx512bf16;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + 31) / 32 * 32;
   auto xb = at::empty({M * Kp * parts}, x.options().dtype(at::kBFloat16));
   auto* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
-  kvstate::avx512bf16::prepare_x(x.data_ptr<float>(), M, K, Kp, parts, xbp);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    bf::prepare_x(xp + m0 * K, m1 - m0, K, Kp, parts, xbp + m0 * Kp * parts);
+  });
   const kvstate::GemvBf16Args args{xbp, M, K, Kp, parts, reinterpret_cast<const uint16_t*>(w.data_ptr()), bias,
                                    y.data_ptr<float>(), N};
+  if (parts != 2 && M >= gemm_rows.load(std::memory_order_relaxed)) {
+    at::parallel_for(0, (N + bf::kGemmCols - 1) / bf::kGemmCols, 1, [&](int64_t i0, int64_t i1) {
+      bf::gemm(args, i0 * bf::kGemmCols, std::min(N, i1 * bf::kGemmCols));
+    });
+    last_tile.store("bf16 gemm 6x64", std::memory_order_relaxed);
+    return;
+  }
   const int64_t rows_per_item = 12, items = (N + rows_per_item - 1) / rows_per_item;
   const int64_t grain = std::max<int64_t>(1, ((64 << 10) + rows_per_item * K * 2 - 1) / (rows_per_item * K * 2));
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    last_tile.store(kvstate::avx512bf16::rows(args, i0 * rows_per_item, std::min(N, i1 * rows_per_item)),
-                    std::memory_order_relaxed);
+    last_tile.store(bf::rows(args, i0 * rows_per_item, std::min(N, i1 * rows_per_item)), std::memory_order_relaxed);
   });
 }
 
@@ -138,7 +153,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   const bool use_amx = use == "amx" && (bf16 || i8) && M >= 3;
   const bool wide = use != "avx2";
   const int parts = activation_parts.load(std::memory_order_relaxed);
-  const bool use_dp = bf16 && parts > 0 && use == "avx512" && !narrow;
+  // the GEMM's rows of bf16 weights run vdpbf16ps in every mode, x in 3 parts for the exact one
+  const bool gemm = bf16 && use == "avx512" && !narrow && has_avx512bf16() &&
+                    M >= gemm_rows.load(std::memory_order_relaxed);
+  const bool use_dp = bf16 && (parts > 0 || gemm) && use == "avx512" && !narrow;
   linear_calls[use_dp ? 3 : use_amx ? 0 : wide ? 1 : 2].fetch_add(1, std::memory_order_relaxed);
   const int lanes = wide ? kvstate::avx512::kLanes : kvstate::avx2::kLanes;
 
@@ -147,7 +165,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   if (M == 0 || N == 0) return y;
   pybind11::gil_scoped_release no_gil;
   if (use_dp) {
-    linear_bf16dp(x, w, bptr, y, parts);
+    linear_bf16dp(x, w, bptr, y, parts > 0 ? parts : 3);
     return y;
   }
   int64_t n_amx = 0;
@@ -191,6 +209,13 @@ namespace kvstate::op {
 Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& scale, const std::string& isa) {
   return ::linear(x, w, c10::nullopt, isa, false, scale);
 }
+std::string vector_isa() {
+  std::vector<std::string> have;
+  if (has_avx512()) have.push_back("avx512");
+  if (has_avx2()) have.push_back("avx2");
+  TORCH_CHECK(!have.empty(), "kvstate kernels: this CPU has neither AVX-512 nor AVX2+FMA");
+  return auto_isa(have);
+}
 }  // namespace kvstate::op
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -215,6 +240,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 weights on AVX-512: 0 fp32 math (default), 1 x rounded to bf16, 2-3 x split into bf16 parts",
         pybind11::arg("parts"));
   m.def("activation_parts", [] { return activation_parts.load(); }, "what set_activation_parts set");
+  m.def("set_bf16_gemm_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 1, "kvstate kernels: GEMM rows must be >= 1, got ", rows);
+    const int64_t before = gemm_rows.exchange(rows);
+    return before;
+  }, "x rows from which the bf16 activations run the GEMM (default kGemmRows); returns the old value",
+        pybind11::arg("rows"));
   m.def("isa_cap", [] { return std::string(isa_cap == 0 ? "auto" : kIsaNames[isa_cap.load()]); },
         "the cap set_isa_cap applied");
   m.def("paths_run", [] {

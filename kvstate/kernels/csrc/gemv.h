@@ -52,6 +52,11 @@ struct GemvBf16Args {
 namespace avx512bf16 {
 void prepare_x(const float* x, int64_t M, int64_t K, int64_t Kp, int parts, uint16_t* xb);
 const char* rows(const GemvBf16Args& a, int64_t n0, int64_t n1);
+// The GEMM of many x rows, parts 1 or 3 (gemm_avx512bf16.cpp): output columns [n0, n1), n0 a
+// multiple of kGemmCols; used from kGemmRows x rows on (gemv.cpp: set_bf16_gemm_rows).
+constexpr int64_t kGemmCols = 64;
+constexpr int64_t kGemmRows = 64;
+void gemm(const GemvBf16Args& a, int64_t n0, int64_t n1);
 }  // namespace avx512bf16
 
 // AMX (bf16 or int8 weights): 32 W rows per block, x rows in chunks of kAmxChunk; x as three bf16

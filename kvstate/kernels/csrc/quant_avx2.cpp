@@ -19,6 +19,7 @@ struct Isa {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V set1(float v) { return _mm256_set1_ps(v); }

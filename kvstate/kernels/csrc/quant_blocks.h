@@ -29,8 +29,15 @@ struct Args {
   int64_t N;
 };
 
-namespace avx512 { void rows(const Args& a, int64_t n0, int64_t n1); }
-namespace avx2 { void rows(const Args& a, int64_t n0, int64_t n1); }
+// rows: y [M, N] for the W rows [n0, n1); dequantize_rows: those W rows as fp32 into y [N, K] (x unused)
+namespace avx512 {
+void rows(const Args& a, int64_t n0, int64_t n1);
+void dequantize_rows(const Args& a, int64_t n0, int64_t n1);
+}  // namespace avx512
+namespace avx2 {
+void rows(const Args& a, int64_t n0, int64_t n1);
+void dequantize_rows(const Args& a, int64_t n0, int64_t n1);
+}  // namespace avx2
 
 }  // namespace kvstate::quant
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <string>
 
+#include "decode_ops.h"
 #include "quant_blocks.h"
 
 namespace kvstate::quant {
@@ -31,32 +32,51 @@ int block_bytes(int type) {
 }
 
 namespace {
-
 std::atomic<int64_t> calls[2];  // avx512, avx2
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t type,
-                     const std::string& isa) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvstate quant: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
+// true for AVX-512, false for AVX2 ("auto": the best this CPU has within the cap); refuses one it lacks
+bool wide_isa(const std::string& isa_in) {
+  __builtin_cpu_init();
+  const std::string isa = isa_in == "auto" ? kvstate::op::vector_isa() : isa_in;
+  const bool wide = isa == "avx512";
+  TORCH_CHECK(wide || isa == "avx2", "kvstate quant: ISA avx512 or avx2, got ", isa);
+  TORCH_CHECK(wide ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "kvstate quant: ISA '", isa, "' not available on this CPU");
+  return wide;
+}
+
+// weights per row of blocks `w` of `type` (checked)
+int64_t row_weights(const at::Tensor& w, int64_t type) {
   const int bw = block_weights(int(type));
   TORCH_CHECK(bw > 0, "kvstate quant: GGML type ", type, " is not served (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K)");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kvstate quant: weight must be contiguous uint8 blocks [N, bytes per row]");
+  TORCH_CHECK(w.size(1) % block_bytes(int(type)) == 0, "kvstate quant: weight rows of ", w.size(1),
+              " bytes are not whole blocks of type ", type);
+  return w.size(1) / block_bytes(int(type)) * bw;
+}
+}  // namespace
+}  // namespace kvstate::quant
+
+namespace kvstate::op {
+
+Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
+                    const std::string& isa_in) {
+  using namespace kvstate::quant;
+  Tensor x = x_in;
+  TORCH_CHECK(x.device().is_cpu(), "kvstate quant: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % bw == 0 && w.size(1) == K / bw * block_bytes(int(type)), "kvstate quant: x has ", K,
-              " columns; the weight rows hold ", w.size(1), " bytes");
+  TORCH_CHECK(row_weights(w, type) == K, "kvstate quant: x has ", K, " columns; the weight rows hold ", w.size(1),
+              " bytes");
   const float* bptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "kvstate quant: bias must be contiguous float32 [N]");
     bptr = bias->data_ptr<float>();
   }
-  __builtin_cpu_init();
-  const bool wide = isa == "avx512";
-  TORCH_CHECK(wide || isa == "avx2", "kvstate quant: ISA avx512 or avx2, got ", isa);
-  TORCH_CHECK(wide ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-              "kvstate quant: ISA '", isa, "' not available on this CPU");
+  const bool wide = wide_isa(isa_in);
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -75,15 +95,35 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   return y;
 }
 
-}  // namespace
-}  // namespace kvstate::quant
+Tensor quant_dequantize(const Tensor& w, int64_t type, const std::string& isa) {
+  using namespace kvstate::quant;
+  const int64_t K = row_weights(w, type), N = w.size(0);
+  const bool wide = wide_isa(isa);
+  auto y = at::empty({N, K}, w.options().dtype(at::kFloat));
+  if (N == 0 || K == 0) return y;
+  pybind11::gil_scoped_release no_gil;
+  const Args args{nullptr, 0, K, w.data_ptr<uint8_t>(), w.size(1), int(type), nullptr, y.data_ptr<float>(), N};
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, w.size(1)));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (wide)
+      avx512::dequantize_rows(args, n0, n1);
+    else
+      avx2::dequantize_rows(args, n0, n1);
+  });
+  return y;
+}
+
+}  // namespace kvstate::op
 
 namespace kvstate {
 void register_quant_ops(pybind11::module_& m) {
-  m.def("quant_linear", &quant::linear,
+  m.def("quant_linear", &op::quant_linear,
         "y[M, N] = x[M, K] @ W^T (+ bias), W the GGML blocks [N, bytes per row] of type `type`, each dequantized "
         "exactly, fp32 math", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::arg("type"), pybind11::arg("isa"));
+        pybind11::arg("type"), pybind11::arg("isa") = "auto");
+  m.def("quant_dequantize", &op::quant_dequantize,
+        "the fp32 weights [N, K] GGML blocks [N, bytes per row] of type `type` mean, exactly as ggml's dequantizer "
+        "gives them", pybind11::arg("weight"), pybind11::arg("type"), pybind11::arg("isa") = "auto");
   m.def("quant_calls", [] { return std::vector<int64_t>{quant::calls[0].load(), quant::calls[1].load()}; },
         "calls of quant_linear since load: [avx512, avx2]");
 }

@@ -1,0 +1,93 @@
+"""Which projections of a model keep a GGUF file's quantized blocks, decided from the file's headers.
+
+A projection (`kernels.Linear`) holds blocks (`kernels.blocks.set_block_weight`) when every tensor
+that fills it is a matrix of one block type kvstate multiplies (`SUPPORTED`) and lands on whole rows
+of its weight: rows are runs of whole blocks, so tensors concatenated along rows (q/k/v into one
+weight, one fused tensor split into two) concatenate or split as blocks too. Everything else is
+dequantized to bf16 and the load says so in one line: other types (IQ4_NL, Q2_K, ...), the
+embedding table and MoE experts (read as tensors, not called), a tied head, a weight that mixes
+types or takes part float tensors, and the projections a layer reads as a tensor (`weight_read`).
+
+The decision is made on the meta model before its memory exists, so the bf16 copy of a kept
+matrix is never allocated: `plan_blocks` picks, `to_meta_blocks` gives each chosen Linear a uint8
+weight of the blocks' shape, the loader copies the file's rows into it, and `finish_blocks` marks
+each Linear's block type once it is filled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvstate.gguf.weights import blocks_keep_transform, tensor_types
+from kvstate.kernels.blocks import SUPPORTED, set_block_weight
+from kvstate.kernels.ggml_blocks import row_bytes
+from kvstate.kernels.quant import eligible_linears
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class BlockPlan:
+    linears: dict[str, str] = field(default_factory=dict)  # module name -> GGML type it holds
+    blocks: frozenset[str] = frozenset()  # GGUF tensors read as blocks (some target holds them)
+    kept: frozenset[str] = frozenset()  # GGUF tensors all of whose targets hold them as blocks
+    dequantized: Counter = field(default_factory=Counter)  # GGML type -> quantized tensors dequantized
+
+
+def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
+    """The projections of `model` (on meta) that hold the blocks of the GGUF file open in `reader` as they
+    are (none without `keep`: every quantized tensor is then dequantized)."""
+    ids = eligible_linears(model)
+    eligible = {name: m for name, m in model.named_modules() if id(m) in ids}
+    sources: dict[str, set[str | None]] = {}  # our parameter -> the block types filling it (None: any other)
+    quantized: dict[str, tuple[str, list[str]]] = {}  # GGUF name -> (type, our parameters it fills)
+    for gguf_name, name, qtype, shape in tensor_types(reader, cfg):
+        whole = keep and len(shape) == 2 and qtype in SUPPORTED and blocks_keep_transform(name, cfg, qtype)
+        params = []
+        for target in ([] if "{e}" in name else targets_of(name) or []):
+            module = target.name.removesuffix(".weight")
+            rows_only = len(target.index) <= 1 and all(isinstance(i, slice) for i in target.index)
+            ok = (whole and rows_only and module in eligible and target.name == f"{module}.weight"
+                  and eligible[module].in_features == shape[1])
+            sources.setdefault(target.name, set()).add(qtype if ok else None)
+            params.append(target.name)
+        if qtype not in FLOAT_TYPES:
+            quantized[gguf_name] = (qtype, params)
+    plan = BlockPlan()
+    plan.linears = {p.removesuffix(".weight"): next(iter(kinds)) for p, kinds in sources.items()
+                    if len(kinds) == 1 and None not in kinds}
+    held = {f"{m}.weight" for m in plan.linears}
+    plan.blocks = frozenset(t for t, (_, params) in quantized.items() if any(p in held for p in params))
+    kept = {t for t, (_, params) in quantized.items() if params and all(p in held for p in params)}
+    plan.kept = frozenset(kept)
+    plan.dequantized = Counter(q for t, (q, _) in quantized.items() if t not in kept)
+    return plan
+
+
+def to_meta_blocks(model: nn.Module, plan: BlockPlan) -> None:
+    """Each chosen Linear's weight becomes a (meta) uint8 [N, bytes per row] tensor for the file's rows."""
+    for name, qtype in plan.linears.items():
+        m = model.get_submodule(name)
+        shape = (m.out_features, row_bytes(qtype, m.in_features))
+        m.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
+
+
+def finish_blocks(model: nn.Module, plan: BlockPlan) -> None:
+    """Mark each filled Linear as holding its blocks (`set_block_weight` checks the shape once more)."""
+    for name, qtype in plan.linears.items():
+        m = model.get_submodule(name)
+        set_block_weight(m, m.weight.data, qtype)
+
+
+def dequantized_line(file, plan: BlockPlan, dtype: torch.dtype) -> str | None:
+    """One line naming the quantized tensors the load dequantized (None when every one stayed blocks)."""
+    if not plan.dequantized:
+        return None
+    kinds = ", ".join(f"{n} {q}" for q, n in sorted(plan.dequantized.items()))
+    kept = sorted(set(plan.linears.values()))
+    held = f"; {len(plan.linears)} projections keep their blocks ({', '.join(kept)})" if kept else ""
+    return f"{file}: {kinds} tensor(s) dequantized to {str(dtype).removeprefix('torch.')} at load{held}"
