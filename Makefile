@@ -47,4 +47,4 @@ bench: $(STAMP) $(KERNELS)
 	$(BIN)/kvstate bench ops
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache kvstate/kernels/_build
+	rm -rf $(VENV) build *.egg-info .pytest_cache

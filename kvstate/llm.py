@@ -24,6 +24,7 @@ from kvstate.engine.config import EngineConfig
 from kvstate.engine.core import EngineCore
 from kvstate.engine.outputs import EngineOutput, RequestOutput, StreamEvent
 from kvstate.engine.params import SamplingParams
+from kvstate.engine.router import RequestRouter, fan_out
 from kvstate.errors import KvstateError, UnknownTokenWarning
 
 # what a prompt dict may hold: "prompt" (text), "prompt_token_ids", "cache_prefix" (where prefix
@@ -99,7 +100,7 @@ class LLM:
 
             tokenizer = Tokenizer(path)
         self.engine = EngineCore(module, plan, tokenizer, config, runner_class=runner_class)
-        self._routes: dict[object, tuple[RequestCollector, int]] = {}  # engine request id -> (collector, sample)
+        self._router = RequestRouter(self.engine)  # engine request id -> (collector, sample)
         self._ids = itertools.count()
         self._warned_prompts: set[str] = set()  # prompt texts already warned about unknown words
 
@@ -155,7 +156,7 @@ class LLM:
             self._warn_unknown(text, ids, stacklevel=3)  # the caller of chat()
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             ends = []
-            if self.engine.scheduler.prefix is not None:
+            if self.engine.prefix_caching:
                 ends = self.tokenizer.message_ends(list(conversation), ids, add_generation_prompt=add_generation_prompt)
             hints.append(dict.fromkeys(ends, "chat"))
         collectors = self._submit(prompts, sampling_params, hints, salt=cache_salt)
@@ -190,11 +191,8 @@ class LLM:
                 collectors.append(RequestCollector.failed(index, request_id, prompt, str(exc)))
                 continue
             collector = RequestCollector(index, request_id, text, ids, sp.n)
-            for k in range(sp.n):
-                child = request_id if sp.n == 1 else (request_id, k)
-                self._routes[child] = (collector, k)
-                self.engine.add_request(child, ids, sp if sp.n == 1 else sp.for_sample(k), snapshot_hints=points,
-                                        cache_salt=cache_salt)
+            for child, k, child_params in fan_out(request_id, sp):
+                self._router.add(collector, child, k, ids, child_params, snapshot_hints=points, cache_salt=cache_salt)
             collectors.append(collector)
         return collectors
 
@@ -237,13 +235,7 @@ class LLM:
     def _step(self) -> list[EngineOutput]:
         """One engine step; every output goes to the collector of its request."""
         outs = self.engine.step()
-        for out in outs:
-            route = self._routes.get(out.request_id)
-            if route is None:  # a request of a closed stream (aborted) or added to the engine directly
-                continue
-            route[0].put(out, route[1])
-            if out.finished:
-                del self._routes[out.request_id]
+        self._router.route(outs)  # a request of a closed stream (aborted) or added to the engine directly: dropped
         return outs
 
     def _run(self, collectors: list[RequestCollector]) -> Iterator[StreamEvent]:
@@ -262,8 +254,4 @@ class LLM:
                         raise RuntimeError("requests are unfinished but the engine has nothing left to run")
                     self._step()
         finally:  # closed early (or failed): stop what is still running for this caller
-            mine = {id(c) for c in collectors}
-            for child, (c, _) in list(self._routes.items()):
-                if id(c) in mine:
-                    self.engine.abort_request(child)
-                    del self._routes[child]
+            self._router.abort(self._router.of(collectors))

@@ -5,9 +5,8 @@ Same checkpoint and the same prompts on both sides, in one process: a random Qwe
 matrices in `--weight-dtype` (default: the checkpoint's), activations fp32; transformers runs fp32.
 Decode speed: kvstate's is the time of one generate() of N tokens minus its first engine step
 (prefill + first token), over N - 1 steps; transformers' (which cannot be stepped) the time of
-generating N tokens minus that of generating 1, over N - 1. (The difference of two calls let the
-prefill's variation from one call to the next, ~1 s of an 8 s prefill at batch 8, into kvstate's
-figure: ~30 ms a step.) Bytes per decode step are what must be
+generating N tokens minus that of generating 1, over N - 1 (a difference of two calls would let
+the prefill's variation between calls into kvstate's figure). Bytes per decode step are what must be
 read once: every weight matrix (embedding rows aside), each sequence's recurrent and conv state,
 and its KV so far; GB/s is reported against the machine's read bandwidth (`sum` of 1 GiB on the
 same threads). `--profile 1,8` adds where a decode step's time goes at those batch sizes, with
@@ -28,6 +27,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kvstate.gguf import is_gguf
 from kvstate.config.dtypes import QUANTIZED_WEIGHT_DTYPES
@@ -178,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstate-bench-") as tmp:
         with console.status("loading checkpoint" if args.model else "building checkpoint"):
             llm, hf, label, path = _sides(args, tmp, llm_args)
-        result = _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_len, batches,
-                          profile_batches)
+        result = _measure(args, console, (limits, read_bw), llm, hf, label,
+                          Shape(plen, new, prefill_len, batches, profile_batches))
         from kvstate.bench.depth import engine_part
 
         result.update(engine_part(args, console, llm, depths, prefill_len, new))
@@ -224,47 +224,61 @@ def _block_types(model) -> list[str]:
     return sorted({m.weight_format for m in model.modules() if getattr(m, "weight_format", None)})
 
 
-def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_len, batches, profile_batches):
-    """The timings of `run`, as the result dict (--json's form)."""
-    import torch
+class Shape(NamedTuple):
+    """What `run` measures: prompt and reply lengths, the prefill length, the batch sizes."""
 
-    from kvstate.bench.timing import timed_generate
+    plen: int
+    new: int
+    prefill_len: int
+    batches: list[int]
+    profile_batches: list[int]
 
-    vocab = llm.plan.vocab_size
-    g = torch.Generator().manual_seed(0)
-    spec = llm.runner.cache_spec
-    wbytes = weight_bytes(llm.model)
 
-    def ours(prompts, n):
+class _Sides:
+    """Timed generation on each side: kvstate's engine and, unless None, transformers' generate()."""
+
+    def __init__(self, llm, hf, new: int):
+        self.llm, self.hf, self.new = llm, hf, new
+        self.sides = [("kvstate", self.ours)] + ([] if hf is None else [("transformers", self.theirs)])
+
+    def ours(self, prompts, n):
         """(seconds of generating n tokens, seconds of its first engine step: prefill + first token)"""
-        total, steps = timed_generate(llm, prompts, n, clock=time.perf_counter)
+        from kvstate.bench.timing import timed_generate
+
+        total, steps = timed_generate(self.llm, prompts, n, clock=time.perf_counter)
         return total, steps[0]
 
-    def our_step_s(prompts) -> float:
+    def our_step_s(self, prompts) -> float:
         """Seconds a decode step of ours: generate()'s time less its first step, over the other new - 1
         (always > 0: they are whole engine steps)."""
-        tn, first = ours(prompts, new)
-        return (tn - first) / (new - 1)
+        tn, first = self.ours(prompts, self.new)
+        return (tn - first) / (self.new - 1)
 
-    def theirs(prompts, n):
+    def theirs(self, prompts, n):
         """(seconds of generating n tokens, None: generate() cannot be stepped)"""
+        import torch
+
         ids = torch.tensor(prompts)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
+            self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
         return time.perf_counter() - t0, None
 
-    sides = [("kvstate", ours)] + ([] if hf is None else [("transformers", theirs)])
-    rows = []
-    ours([[1, 2, 3]], 2)  # warm up both sides
-    if hf is not None:
-        theirs([[1, 2, 3]], 2)
-    for b in batches:
-        prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
-        ctx = plen + new // 2  # mean context during decode
+
+def _timed_rows(console, sides: _Sides, llm, shape: Shape, g, read_bw: float, wbytes: int) -> list[dict]:
+    """Decode rows per batch and side (bytes per step against the read bandwidth), then prefill rows."""
+    import torch
+
+    vocab, spec, new, rows = llm.plan.vocab_size, llm.runner.cache_spec, shape.new, []
+    sides.ours([[1, 2, 3]], 2)  # warm up both sides
+    if sides.hf is not None:
+        sides.theirs([[1, 2, 3]], 2)
+    for b in shape.batches:
+        prompts = torch.randint(0, vocab, (b, shape.plen), generator=g).tolist()
+        ctx = shape.plen + new // 2  # mean context during decode
         step_bytes = wbytes + b * (spec.state_bytes + ctx * spec.kv_bytes_per_token)
-        for name, fn in sides:
+        for name, fn in sides.sides:
             with console.status(f"decode batch {b}: {name}"):
                 tn, first = fn(prompts, new)
                 t1 = first if first is not None else fn(prompts, 1)[0]
@@ -277,12 +291,53 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
             step = (tn - t1) / (new - 1)
             rows.append(dict(impl=name, phase="decode", batch=b, tokens_per_s=b / step, ms_per_step=1e3 * step,
                              gbps=step_bytes / step / 1e9, bandwidth_fraction=step_bytes / step / read_bw))
-    prompt = [torch.randint(0, vocab, (prefill_len,), generator=g).tolist()]
-    for name, fn in sides:
-        with console.status(f"prefill {prefill_len}: {name}"):
+    prompt = [torch.randint(0, vocab, (shape.prefill_len,), generator=g).tolist()]
+    for name, fn in sides.sides:
+        with console.status(f"prefill {shape.prefill_len}: {name}"):
             t = fn(prompt, 1)[0]
-        rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=prefill_len / t if t > 0 else None,
+        rows.append(dict(impl=name, phase="prefill", batch=1, tokens_per_s=shape.prefill_len / t if t > 0 else None,
                          ms_per_step=1e3 * t, gbps=None, bandwidth_fraction=None))
+    return rows
+
+
+def _llama_cpp(args, console, llm, speed: dict, sides: _Sides, shape: Shape, g) -> tuple[list, dict, dict]:
+    """(llama-bench's rows, kvstate against them, alternating rounds) with --llama-bench, else empty."""
+    import torch
+
+    if not args.llama_bench:
+        return [], {}, {}
+    from kvstate.bench.llama_cpp import compare, interleaved
+
+    vocab, rounds = llm.plan.vocab_size, {}
+    with console.status("llama.cpp: llama-bench"):
+        llama_rows, vs_llama = compare(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
+                                       prompt=shape.prefill_len if args.llama_prompt is None else args.llama_prompt,
+                                       gen=args.llama_gen,
+                                       embedding_params=vocab * llm.plan.hidden_size,
+                                       decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
+                                       prefill=speed.get(("kvstate", "prefill", 1), 0.0))
+    if args.rounds > 1:
+        def decode_b1() -> float:
+            return 1 / sides.our_step_s(torch.randint(0, vocab, (1, shape.plen), generator=g).tolist())
+
+        with console.status(f"{args.rounds} alternating rounds: kvstate, llama-bench"):
+            rounds = interleaved(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
+                                 gen=args.llama_gen, decode_b1=decode_b1, rounds=args.rounds)
+    return llama_rows, vs_llama, rounds
+
+
+def _measure(args, console, machine: tuple, llm, hf, label, shape: Shape):
+    """The timings of `run`, as the result dict (--json's form); `machine` (limits, read bandwidth)."""
+    import torch
+
+    limits, read_bw = machine
+    plen, new, prefill_len, batches, profile_batches = shape
+    vocab = llm.plan.vocab_size
+    g = torch.Generator().manual_seed(0)
+    spec = llm.runner.cache_spec
+    wbytes = weight_bytes(llm.model)
+    sides = _Sides(llm, hf, new)
+    rows = _timed_rows(console, sides, llm, shape, g, read_bw, wbytes)
     speed = {(r["impl"], r["phase"], r["batch"]): r["tokens_per_s"] for r in rows if r["tokens_per_s"]}
     profiles = {}
     for b in profile_batches:
@@ -292,26 +347,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
             prompts = torch.randint(0, vocab, (b, plen), generator=g).tolist()
             profiles[str(b)] = profile_decode(llm, prompts, max(new - 1, 2))
             profiles[f"{b} per-op"] = profile_decode(llm, prompts, max(new - 1, 2), per_op=True)
-    llama_rows, vs_llama, rounds = [], {}, {}
-    if args.llama_bench:
-        from kvstate.bench.llama_cpp import compare
-
-        with console.status("llama.cpp: llama-bench"):
-            llama_rows, vs_llama = compare(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
-                                           prompt=prefill_len if args.llama_prompt is None else args.llama_prompt,
-                                           gen=args.llama_gen,
-                                           embedding_params=vocab * llm.plan.hidden_size,
-                                           decode_b1=speed.get(("kvstate", "decode", 1), 0.0),
-                                           prefill=speed.get(("kvstate", "prefill", 1), 0.0))
-        if args.rounds > 1:
-            from kvstate.bench.llama_cpp import interleaved
-
-            def decode_b1() -> float:
-                return 1 / our_step_s(torch.randint(0, vocab, (1, plen), generator=g).tolist())
-
-            with console.status(f"{args.rounds} alternating rounds: kvstate, llama-bench"):
-                rounds = interleaved(args.llama_bench, args.gguf, threads=torch.get_num_threads(),
-                                     gen=args.llama_gen, decode_b1=decode_b1, rounds=args.rounds)
+    llama_rows, vs_llama, rounds = _llama_cpp(args, console, llm, speed, sides, shape, g)
     step_rounds = {}
     if args.rounds > 1 and len(set(batches)) > 1:
         low, high = min(batches), max(batches)
@@ -319,7 +355,7 @@ def _measure(args, console, limits, read_bw, llm, hf, label, plen, new, prefill_
         from kvstate.bench.timing import alternate_steps
 
         with console.status(f"{args.rounds} alternating rounds: decode batch {low}, batch {high}"):
-            step_rounds = alternate_steps(lambda b: our_step_s(prompts[b]), low, high, args.rounds)
+            step_rounds = alternate_steps(lambda b: sides.our_step_s(prompts[b]), low, high, args.rounds)
     ratios = {f"{phase} b={b}": speed[("kvstate", phase, b)] / speed[("transformers", phase, b)]
               for (impl, phase, b) in speed if impl == "transformers" and ("kvstate", phase, b) in speed}
     ends = [speed.get(("kvstate", "decode", b)) for b in (max(batches), min(batches))]

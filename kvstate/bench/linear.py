@@ -79,7 +79,6 @@ def read_bandwidth(mib: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
-    from rich.table import Table
 
     from kvstate import kernels
     from kvstate.bench.timing import start
@@ -140,23 +139,31 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
+    _print(console, out, wanted)
+    return 0
+
+
+def _print(console, out: dict, wanted: list[str]) -> None:
+    """The table of `run`'s result (--json's form) and its two ratios."""
+    from rich.table import Table
+
+    info, machine = out["kernels"], out["machine"]
     console.print(f"{out['model']}; {out['threads']} threads; kernels: {info['backend']} {info['isa'] or ''} "
-                  f"{info['reason'] or ''}; read bandwidth {read_bw / 1e9:.1f} GB/s, copy {limits.bandwidth / 1e9:.1f} "
-                  f"GB/s", soft_wrap=True)
+                  f"{info['reason'] or ''}; read bandwidth {machine['read_gbps']:.1f} GB/s, copy "
+                  f"{machine['bandwidth_gbps']:.1f} GB/s", soft_wrap=True)
     table = Table(title="kvstate bench linear: one decode step's linears")
     for col in ("weights", "M", "path", "ms", "GB/s", "% read", "tok/s", "vs M=1", "torch ms", "x torch"):
         table.add_column(col, justify="left" if col in ("weights", "path") else "right")
-    for r in results:
+    for r in out["rows"]:
         table.add_row(r["dtype"], str(r["rows"]), r["path"], f"{r['ms']:.1f}", f"{r['gbps']:.1f}",
                       f"{100 * r['read_fraction']:.0f}%", f"{r['tokens_per_s']:.1f}",
                       f"{r['vs_one_row']:.2f}" if r["vs_one_row"] else "-", f"{r['torch_ms']:.1f}",
                       f"{r['speedup_vs_torch']:.2f}")
     console.print(table)
-    speed = {(r["dtype"], r["rows"]): r for r in results}
+    speed = {(r["dtype"], r["rows"]): r for r in out["rows"]}
     if ("fp32", 1) in speed and ("bf16", 1) in speed:
         ratio = speed["bf16", 1]["tokens_per_s"] / speed["fp32", 1]["tokens_per_s"]
         console.print(f"bf16 / fp32 weights, M=1: {ratio:.2f}x the tokens/s")
     for d in wanted:
         if (d, 8) in speed:
             console.print(f"{d}: M=8 costs {speed[d, 8]['vs_one_row']:.2f}x the time of M=1")
-    return 0

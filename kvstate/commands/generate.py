@@ -116,13 +116,7 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:  # the prompts are tokenized here
         warnings.simplefilter("always", UnknownTokenWarning)
         events = llm.stream(prompts, params)
-    card = model / "README.md"
-    for w in caught:
-        if issubclass(w.category, UnknownTokenWarning):
-            hint = f" (what this model knows: {card})" if card.is_file() else ""
-            console.print(f"[yellow]warning:[/] {w.message}{hint}", soft_wrap=True, highlight=False)
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    _show_warnings(console, caught, model / "README.md")
     for ev in events:
         if ev.finished:
             outputs.append(ev.output)
@@ -134,14 +128,41 @@ def run(args: argparse.Namespace) -> int:
     peak = llm.peak_cache_bytes
     failed = any(o.error is not None for o in outputs)
     if args.json:
-        for o in outputs:
-            row = dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
-                       error=o.error, metrics=o.metrics, peak_cache_bytes=peak, num_cached_tokens=o.num_cached_tokens)
-            if args.n > 1:  # every sample; the fields above are the first one's
-                row["outputs"] = [dict(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-                                  for c in o.outputs]
-            print(json.dumps(row))
+        _print_json(args, outputs, peak)
         return 2 if failed else 0
+    _print_text(console, args, outputs, streaming)
+    stats = llm.stats()
+    console.print(f"[dim]{summary(outputs, elapsed, peak, stats)}[/]", soft_wrap=True)
+    if stats.get("spec_num_draft_tokens") is not None:
+        console.print(f"[dim]speculation: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
+                      f"drafted tokens accepted ({100 * stats['spec_acceptance_rate']:.0f}%), "
+                      f"{stats['spec_mean_accepted_length']:.2f} tokens per verify step[/]", soft_wrap=True)
+    return 2 if failed else 0
+
+
+def _show_warnings(console, caught, card) -> None:
+    """Unknown-token warnings as one yellow line each (pointing at the model card); others re-raised."""
+    for w in caught:
+        if issubclass(w.category, UnknownTokenWarning):
+            hint = f" (what this model knows: {card})" if card.is_file() else ""
+            console.print(f"[yellow]warning:[/] {w.message}{hint}", soft_wrap=True, highlight=False)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _print_json(args, outputs, peak: dict) -> None:
+    """One JSON line per prompt (--json)."""
+    for o in outputs:
+        row = dict(prompt=o.prompt, token_ids=o.token_ids, text=o.text, finish_reason=o.finish_reason,
+                   error=o.error, metrics=o.metrics, peak_cache_bytes=peak, num_cached_tokens=o.num_cached_tokens)
+        if args.n > 1:  # every sample; the fields above are the first one's
+            row["outputs"] = [dict(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+                              for c in o.outputs]
+        print(json.dumps(row))
+
+
+def _print_text(console, args, outputs, streaming: bool) -> None:
+    """The replies not streamed already, then each error in red."""
     if not streaming:
         for o in outputs:
             if o.error is not None:
@@ -154,13 +175,6 @@ def run(args: argparse.Namespace) -> int:
     for o in outputs:
         if o.error:
             console.print(f"[red]error:[/] {o.error}", soft_wrap=True)
-    stats = llm.stats()
-    console.print(f"[dim]{summary(outputs, elapsed, peak, stats)}[/]", soft_wrap=True)
-    if stats.get("spec_num_draft_tokens") is not None:
-        console.print(f"[dim]speculation: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
-                      f"drafted tokens accepted ({100 * stats['spec_acceptance_rate']:.0f}%), "
-                      f"{stats['spec_mean_accepted_length']:.2f} tokens per verify step[/]", soft_wrap=True)
-    return 2 if failed else 0
 
 
 def summary(outputs, elapsed: float, peak: dict[str, int], stats: dict | None = None) -> str:

@@ -1,8 +1,9 @@
 """One prompt's outputs as the engine core delivers them: the per-request queue of the user API.
 
-`EngineCore.step()` returns the news of every request, whoever called it; `LLM` puts each
-`EngineOutput` into the collector of its prompt, so any number of `stream()` iterators (or a
-server's connections) can drive the engine in turn and each still sees all of its own events.
+`EngineCore.step()` returns the news of every request, whoever called it; `LLM`'s router
+(kvstate.engine.router) puts each `EngineOutput` into the collector of its prompt, so any
+number of `stream()` iterators can drive the engine in turn and each still sees all of its own
+events.
 A prompt with n samples is n engine requests gathered here into one `RequestOutput`.
 """
 
@@ -34,7 +35,7 @@ class RequestCollector:
     def done(self) -> bool:
         return self.output is not None
 
-    def put(self, out: EngineOutput, sample: int = 0) -> None:
+    def put(self, sample: int, out: EngineOutput) -> None:
         """One engine output of sample `sample`: its tokens become events (the text on the last)."""
         for j, token in enumerate(out.token_ids):
             text = out.text if j == len(out.token_ids) - 1 else ""

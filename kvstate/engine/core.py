@@ -24,6 +24,8 @@ from kvstate.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from kvstate.engine.params import SamplingParams
 from kvstate.engine.scheduler import Scheduler, SchedulerConfig
 from kvstate.engine.sequence import Sequence
+from kvstate.engine.speculative.config import SpeculativeConfig
+from kvstate.engine.speculative.drafter import Drafter, StepResult
 from kvstate.errors import KvstateError
 
 class EngineCore:
@@ -48,10 +50,7 @@ class EngineCore:
         self.peak_cache_bytes = {"kv": 0, "state": 0}
         self.last_step = None  # the SchedulerOutput of the last step (what the explorer's timeline shows)
         self.proposer = None  # speculative decoding's Proposer
-        if config.speculative_config is not None:
-            from kvstate.engine.speculative.proposer import make_proposer
-
-            self.proposer = make_proposer(config.speculative_config, self)
+        self.set_proposer(config.speculative_config)
         # output tokens already reported, per sequence (not per id: a rejected duplicate id is another request)
         self._sent: dict[Sequence, int] = {}
         self.cache_reports: deque = deque(maxlen=32)  # (request id, CacheReport) of the last finished requests
@@ -71,6 +70,11 @@ class EngineCore:
     def model(self):
         return self.runner.model
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (callers then give snapshot hints where chats' messages end)."""
+        return self.scheduler.prefix is not None
+
     def _prefix_costs(self) -> tuple[float, float, int, int]:
         """(prefill FLOPs per token, per token pair, slot bytes, block bytes) for the snapshot eviction:
         2 per weight per token; attention's QK and PV ~ 2 per cached K/V element per query (GQA's
@@ -79,6 +83,27 @@ class EngineCore:
         weights = sum(p.numel() for p in self.model.parameters())
         kv_elems = spec.kv_bytes_per_token / 4  # the runner's KV pools are fp32
         return float(2 * weights), float(2 * kv_elems), sizes.slot_bytes, sizes.block_bytes
+
+    def set_proposer(self, config, drafter: Drafter | None = None):
+        """Speculative decoding from now on: `config` a SpeculativeConfig or vLLM's dict (None: plain
+        decoding); `drafter` one made already (else the one `config` names). Only between requests:
+        a drafter holds per-request state. Returns the new Proposer (or None)."""
+        if self.has_unfinished():
+            raise KvstateError("set_proposer: requests are in flight")
+        self.proposer = None
+        self.runner.keep_hidden = False
+        if config is None:
+            return None
+        from kvstate.engine.speculative.proposer import Proposer, make_drafter
+
+        config = SpeculativeConfig.from_dict(config)
+        drafter = make_drafter(config, self) if drafter is None else drafter
+        if drafter.wants_hidden and not self.runner.mtp:
+            raise KvstateError("speculative_config: the MTP head drafts only in an engine whose pools hold its KV "
+                               "(built with speculative_config method 'mtp')")
+        self.runner.keep_hidden = drafter.wants_hidden
+        self.proposer = Proposer(config, drafter, self.max_model_len)
+        return self.proposer
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_token_ids, params: SamplingParams | None = None, *,
@@ -123,12 +148,10 @@ class EngineCore:
         for seq, first, entries in out.prompt_logprobs:  # before postprocess: a request may finish in this step
             seq.add_prompt_logprobs(first, entries)
         finished, kept = self.scheduler.postprocess(step, out.token_ids, logprobs)
-        if self.proposer is not None:  # roll verified states back, count, draft for the next step
+        if self.proposer is not None:  # roll verified states back, then count and draft for the next step
             self.runner.keep(kept)
-            self.proposer.record(step, out.token_ids)
-            self.proposer.release([*finished, *step.preempted])
-            self.proposer.observe(step)
-            self.proposer.propose(self.scheduler.running)
+            self.proposer.after_step(StepResult(step, out.token_ids, kept, [*finished, *step.preempted], out.hidden),
+                                     self.scheduler.running)
         sampled = step.sample_seqs()
         in_step = {id(s) for s in sampled}
         return [self._news(seq) for seq in sampled + [s for s in finished if id(s) not in in_step]]

@@ -3,7 +3,7 @@
 - `EngineOutput`: what `EngineCore.step()` returns for each request that changed in the step
   (the new tokens, the new text, and when it finished, its whole `RequestOutput`).
 - `RequestOutput`: one prompt's result; `outputs` holds its n samples (`CompletionOutput`),
-  and `text`, `token_ids`, `finish_reason`, ... are those of the first, as before n existed.
+  and `text`, `token_ids`, `finish_reason`, ... are those of the first (what one-sample callers read).
 - `StreamEvent`: what `LLM.stream` yields: one new token of one sample, or a prompt's end.
 """
 

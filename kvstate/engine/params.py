@@ -104,17 +104,7 @@ class SamplingParams:
             raise KvstateError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         self.seed = _int("seed", self.seed, allow_none=True)
         self.stop = self._stop_strings(self.stop)
-        ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            raise KvstateError(f"SamplingParams.stop_token_ids must be a list of integers, got {ids!r}")
-        if hasattr(ids, "__len__") and len(ids) > MAX_STOP_TOKEN_IDS:  # before converting a million of them
-            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
-        self.stop_token_ids = [_int("stop_token_ids", t) for t in ids]
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
-                               f"got {len(self.stop_token_ids)}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {self.stop_token_ids[:8]}")
+        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         self.stop_token_set = frozenset(self.stop_token_ids)  # what the scheduler looks each token up in
         self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
         self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
@@ -161,6 +151,20 @@ class SamplingParams:
     def for_sample(self, k: int) -> "SamplingParams":
         """The params of sample k of n: one sample, seed + k when seeded (vLLM's rule)."""
         return replace(self, n=1, seed=None if self.seed is None else self.seed + k)
+
+    @staticmethod
+    def _stop_token_ids(ids) -> list[int]:
+        ids = [] if ids is None else ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise KvstateError(f"SamplingParams.stop_token_ids must be a list of integers, got {ids!r}")
+        if hasattr(ids, "__len__") and len(ids) > MAX_STOP_TOKEN_IDS:  # before converting a million of them
+            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        ids = [_int("stop_token_ids", t) for t in ids]
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise KvstateError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        if any(t < 0 for t in ids):
+            raise KvstateError(f"SamplingParams.stop_token_ids must be >= 0, got {ids[:8]}")
+        return ids
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:

@@ -20,7 +20,7 @@
 
 Snapshot positions of a sequence, each with its kind (what /metrics counts hits by):
 - "repeat": the prompt's length - 1, so the same prompt sent again computes only its last token
-  (with `repeat=False`, "prompt_end": the prompt's end, the policy before repeats were served);
+  (with `repeat=False`, "prompt_end": the prompt's end);
 - "chat" / "prefix": positions the request names (`Sequence.snapshot_hints`: the end of every chat
   message, rendered by the chat template; a `cache_prefix` the caller passed);
 - "interval": multiples of `interval` tokens; "auto" adapts it to the prompt: 256 tokens, doubled

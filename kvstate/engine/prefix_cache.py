@@ -29,8 +29,6 @@ saves per byte it holds, both normalized to [0, 1] over the candidates, summed w
 weighted `alpha` (higher: a snapshot that saves much prefill outlives fresher cheap ones); the lowest goes,
 except that a snapshot which other snapshots extend in one direction only goes first (Marconi keeps
 states at branch points and leaves: a request reaching it would most likely go on to the longer one).
-In a simulated chat workload with one spare slot (torch-free scheduler, 4 seeds) the share of prompt
-tokens served from the cache was LRU 0.55, Marconi 0.615, Marconi with this rule 0.63.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from kvstate.errors import KvstateError
 POLICIES = ("marconi", "lru")
 ROOT_KEY = secrets.token_bytes(32)  # the chain's root: keys cannot be computed outside this process
 # why a snapshot was taken: a repeat of a prompt (its length - 1), a chat message end, a prefix the
-# caller named, an interval, a branch point, a finished reply's end, a prompt's end (the old policy)
+# caller named, an interval, a branch point, a finished reply's end, a prompt's end (repeat=False)
 KINDS = ("repeat", "chat", "prefix", "interval", "branch", "reply", "prompt_end")
 # why a first admission reused less than it could (kvstate.engine.cache_report explains each)
 MISS_REASONS = ("needs_full_prompt", "evicted", "salt_mismatch", "no_snapshot", "no_match")

@@ -25,18 +25,9 @@ def check_request(cfg, blocks_for: Callable[[int], int], request_id, prompt, par
         params.validate()
     except ValueError as e:
         return [], str(e)
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        return [], f"prompt must be a list of token ids, got {type(prompt).__name__}"
-    tokens: list[int] = []
-    for i, t in enumerate(prompt):
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            tokens.append(operator.index(t))
-        except TypeError:
-            return tokens, f"prompt token {i} is {t!r}, not an integer token id"
-        if not 0 <= tokens[-1] < cfg.vocab_size:
-            return tokens, f"prompt token {i} is {tokens[-1]}, outside the vocabulary [0, {cfg.vocab_size})"
+    tokens, problem = prompt_tokens(prompt, cfg.vocab_size)
+    if problem is not None:
+        return tokens, problem
     if not tokens:
         return tokens, "prompt is empty"
     if len(tokens) > cfg.max_model_len:
@@ -50,9 +41,36 @@ def check_request(cfg, blocks_for: Callable[[int], int], request_id, prompt, par
     if need > cfg.num_blocks:
         return tokens, (f"prompt plus max_tokens needs up to {need} KV blocks of {cfg.block_size} tokens; "
                         f"the cache pool holds {cfg.num_blocks}")
-    outside = [t for t in params.stop_token_ids if t >= cfg.vocab_size]
-    if outside:
-        return tokens, f"stop_token_ids {outside} are outside the vocabulary [0, {cfg.vocab_size})"
+    problem = stop_tokens_problem(params.stop_token_ids, cfg.vocab_size)
+    if problem is not None:
+        return tokens, problem
     if params.stop and not can_detokenize:
         return tokens, "stop strings need a detokenizer, and none was given to the scheduler"
     return tokens, None
+
+
+def prompt_tokens(prompt, vocab_size: int) -> tuple[list[int], str | None]:
+    """(the prompt's token ids, None) or (those read before the first bad one, why it is bad): each an
+    integer in the vocabulary. The engine's check, and the server's before it answers 400."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        return [], f"prompt must be a list of token ids, got {type(prompt).__name__}"
+    tokens: list[int] = []
+    for i, t in enumerate(prompt):
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            tokens.append(operator.index(t))
+        except TypeError:
+            return tokens, f"prompt token {i} is {t!r}, not an integer token id"
+        if not 0 <= tokens[-1] < vocab_size:
+            return tokens, f"prompt token {i} is {tokens[-1]}, outside the vocabulary [0, {vocab_size})"
+    return tokens, None
+
+
+def stop_tokens_problem(stop_token_ids, vocab_size: int) -> str | None:
+    """Why `stop_token_ids` cannot be used (ids outside the vocabulary, the first few named), or None."""
+    outside = [t for t in stop_token_ids if not 0 <= t < vocab_size]
+    if not outside:
+        return None
+    more = f" and {len(outside) - 4} more" if len(outside) > 4 else ""
+    return f"stop_token_ids {outside[:4]}{more} are outside the vocabulary [0, {vocab_size})"

@@ -12,6 +12,7 @@ samples them with each request's params, penalties and seeded generator.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,15 @@ from kvstate.kernels.threads import small_ops_serial
 from kvstate.layers.recurrence import keep_states
 from kvstate.models.batch import Batch, BatchLayout
 from kvstate.profiling import timed
+
+
+@dataclass
+class StepHidden:
+    """The target's normed last hidden states of one step, for a drafter that reads them (MTP)."""
+
+    states: torch.Tensor  # [T, hidden]: every token of the step
+    batch: Batch  # the step's packed batch: entry i's rows start at token_offsets[i]
+    resumed: dict[int, torch.Tensor]  # entries that resumed from a snapshot at p -> h_{p-1} [hidden]
 
 
 def batch_layout(step) -> BatchLayout:
@@ -42,8 +52,8 @@ class ModelRunner:
                  kv_dtype: str = "float32", state_dtype: str = "float32", conv_dtype: str = "float32",
                  conv_window: str = "kernel", seed: int | None = None, mtp: bool = False):
         """`mtp`: the pools hold the MTP head's KV too (after the decoder's layers), and each step keeps
-        the target's hidden states for it (`hidden`, `hidden_batch`: kvstate.engine.speculative.mtp)."""
-        self.model, self.plan, self.block_size = model, plan, block_size
+        the target's hidden states for it (`SampleOutput.hidden`: kvstate.engine.speculative.mtp)."""
+        self.model, self.plan, self.block_size, self.mtp = model, plan, block_size, mtp
         self.cache_spec = cache_spec(plan, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
                                      conv_window=conv_window, mtp=mtp)
         self.sizes = pool_sizes(self.cache_spec, cache_bytes, block_size=block_size, num_slots=num_slots,
@@ -57,12 +67,10 @@ class ModelRunner:
         # decode steps: small ops on one thread, weight streaming and state workers on all (kernels.threads)
         self.serial_small_ops = True
         self.keep_hidden = mtp
-        self.hidden: torch.Tensor | None = None  # [T, hidden] of the last step, with keep_hidden
-        self.hidden_batch: Batch | None = None  # the step `hidden` came from (its token_offsets: each entry's rows)
+        self.hidden: StepHidden | None = None  # the last step's, with keep_hidden
         # with keep_hidden: per state slot, the hidden state of the last token folded into its state
         # (copied with the slot), so a request resuming from a snapshot has h_{p-1} for the MTP head
         self.slot_hidden: torch.Tensor | None = None  # [num_slots, H]
-        self.resumed_hidden: dict[int, torch.Tensor] = {}  # this step's resumed entries -> h_{p-1} [H]
 
     @property
     def pool_bytes(self) -> dict[str, int]:
@@ -103,8 +111,8 @@ class ModelRunner:
             if self.keep_hidden or hidden:
                 logits, normed = self.model(ids, batch, self.caches, hidden=True)
                 if self.keep_hidden:
-                    self.hidden, self.hidden_batch = normed, batch
-                    self._keep_slot_hidden(batch)
+                    self._keep_slot_hidden(normed, batch)
+                    self.hidden = StepHidden(normed, batch, {})
             else:  # only the sampled entries' rows reach the LM head
                 logits = self.model(ids, batch, self.caches)
         self.rollback = batch if batch.rollback else None
@@ -118,20 +126,20 @@ class ModelRunner:
         if self.rollback is not None:
             keep_states(self.rollback, kept)
             self.rollback = None
-        if self.slot_hidden is not None and kept:
-            offsets, slots = self.hidden_batch.token_offsets, self.hidden_batch.state_slots
+        if self.slot_hidden is not None and kept and self.hidden is not None:
+            offsets, slots = self.hidden.batch.token_offsets, self.hidden.batch.state_slots
             for i, k in kept.items():
-                self.slot_hidden[slots[i]].copy_(self.hidden[offsets[i] + k - 1])
+                self.slot_hidden[slots[i]].copy_(self.hidden.states[offsets[i] + k - 1])
 
-    def _keep_slot_hidden(self, batch: Batch) -> None:
+    def _keep_slot_hidden(self, hidden: torch.Tensor, batch: Batch) -> None:
         """Each entry's slot: the hidden state of its last token; each capture's slot: of its k-th token."""
         if self.slot_hidden is None:
-            self.slot_hidden = self.hidden.new_zeros(self.sizes.num_slots, self.hidden.shape[-1])
-        last = torch.tensor(batch.token_offsets[1:], device=self.hidden.device) - 1
-        self.slot_hidden.index_copy_(0, batch.state_slots, self.hidden.index_select(0, last))
+            self.slot_hidden = hidden.new_zeros(self.sizes.num_slots, hidden.shape[-1])
+        last = torch.tensor(batch.token_offsets[1:], device=hidden.device) - 1
+        self.slot_hidden.index_copy_(0, batch.state_slots, hidden.index_select(0, last))
         for e, caps in batch.captures.items():
             for k, slot in caps:
-                self.slot_hidden[slot].copy_(self.hidden[batch.token_offsets[e] + k - 1])
+                self.slot_hidden[slot].copy_(hidden[batch.token_offsets[e] + k - 1])
 
     @timed("runner")
     def execute(self, step) -> SampleOutput:
@@ -140,8 +148,10 @@ class ModelRunner:
         self.generators.drop(step.finished_request_ids)
         self.copy_slots(step.slot_copies)
         self.copy_blocks(step.block_copies)
-        self.resumed_hidden = {} if self.slot_hidden is None else \
+        # h_{p-1} of the entries resuming from a snapshot, before the forward overwrites their slots
+        resumed = {} if self.slot_hidden is None else \
             {i: self.slot_hidden[step.state_slots[i]].clone() for i in step.resumed}
+        self.hidden = None
         if step.is_empty:
             return SampleOutput([], [], [])
         scoring = bool(step.prompt_rows())  # entries scoring prompt tokens (prompt_logprobs) need every row
@@ -152,6 +162,9 @@ class ModelRunner:
             scored = step_prompt_logprobs(self.model.lm_head, normed, step)
         out = self._sample(step, logits)
         out.prompt_logprobs = scored
+        if self.hidden is not None:
+            self.hidden.resumed = resumed
+            out.hidden = self.hidden
         return out
 
     def _sample(self, step, logits: torch.Tensor) -> SampleOutput:

@@ -33,6 +33,7 @@ class SampleOutput:
     logprobs: list[float | None]  # chosen token's logprob, for rows with params.logprobs set
     top_logprobs: list[list[tuple[int, float]] | None]  # the params.logprobs most likely (token, logprob)
     prompt_logprobs: list = field(default_factory=list)  # (seq, first position, entries), engine.prompt_logprobs
+    hidden: object = None  # the step's hidden states for a drafter (kvstate.engine.runner.StepHidden), if kept
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

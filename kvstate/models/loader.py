@@ -34,6 +34,7 @@ from kvstate.kernels.hugepages import place_weights
 from kvstate.kernels.ggml_blocks import TYPES, dequantize
 from kvstate.kernels.quant import eligible_linears, quantize_linears
 from kvstate.models.build import build_model, fuse_projections, set_weight_dtype
+from kvstate.models.family import RunnableFamily
 from kvstate.models.gguf_blocks import BlockPlan, dequantized_line, finish_blocks, plan_blocks, to_meta_blocks
 
 
@@ -59,9 +60,9 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def family_of(plan):
+def family_of(plan) -> RunnableFamily:
     family = adapter(plan.model_type)
-    if family is None or not hasattr(family, "weight_targets"):
+    if not isinstance(family, RunnableFamily):
         raise KvstateError(f"{plan.source or plan.name}: model_type {plan.model_type!r} can be planned but not run")
     return family
 

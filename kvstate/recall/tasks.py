@@ -72,14 +72,6 @@ def mqar(num_examples: int, seq_len: int, num_pairs: int, *, vocab_size: int = 8
     return TokenTask(inputs, targets)
 
 
-def mqar_accuracy(task: TokenTask, predictions: np.ndarray) -> float:
-    """Fraction of scored positions whose predicted token ([B, T], argmax of the logits) is the target."""
-    mask = task.targets != IGNORE
-    if not mask.any():
-        raise ValueError("no scored positions")
-    return float((predictions[mask] == task.targets[mask]).mean())
-
-
 def mqar_write_ranks(task: TokenTask, num_pairs: int) -> np.ndarray:
     """For each scored position (row-major order, as `targets != IGNORE` lists them) the write order
     of the pair it asks for: 0 for the first pair of its example, num_pairs - 1 for the last."""

@@ -27,6 +27,7 @@ import threading
 import time
 
 from kvstate.engine.outputs import EngineOutput, RequestOutput
+from kvstate.engine.router import RequestRouter, fan_out
 
 log = logging.getLogger("kvstate.server")
 _STOP = object()
@@ -82,7 +83,7 @@ class EngineLoop:
         self.model_name = model_name or getattr(llm.plan, "name", None) or "kvstate"
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # engine request id -> (submission, choice); touched by the engine thread only
-        self._routes: dict[object, tuple[Submission, int]] = {}
+        self.router = RequestRouter(self.core)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stats: dict = self.core.stats()  # a snapshot taken by the thread after every step
@@ -110,13 +111,17 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the asyncio side -------------------------------------------------------------------------
-    def submit(self, jobs: list) -> Submission:
-        """Queue engine requests, one per (prompt_token_ids, SamplingParams with n=1[, snapshot
-        hints[, cache_salt]]: `EngineCore.add_request`); their outputs arrive tagged with the job's index. Must be
-        called from a running event loop."""
-        ids = [f"req-{next(self._ids)}" for _ in jobs]
-        sub = Submission(self, ids, asyncio.get_running_loop())
-        self._commands.put(("add", sub, list(zip(ids, jobs))))
+    def submit(self, prompts: list) -> Submission:
+        """Queue one HTTP request's prompts, each (prompt_token_ids, SamplingParams[, snapshot hints[,
+        cache_salt]]: `EngineCore.add_request`) and fanned out to its n samples (kvstate.engine.router):
+        their outputs arrive tagged with the choice, prompt i's sample k being i * n + k. Must be called
+        from a running event loop."""
+        jobs = []
+        for ids, params, *extra in prompts:
+            jobs.extend((rid, choice, (ids, sample, *extra))
+                        for rid, choice, sample in fan_out(f"req-{next(self._ids)}", params, len(jobs)))
+        sub = Submission(self, [rid for rid, _, _ in jobs], asyncio.get_running_loop())
+        self._commands.put(("add", sub, jobs))
         return sub
 
     def abort(self, request_ids: list) -> None:
@@ -157,15 +162,7 @@ class EngineLoop:
                 except Exception:  # a broken view must not stop the engine
                     log.exception("step observer failed")
             self._stats = self.core.stats()  # before routing: a handler that sees its request end sees fresh stats
-            fed = set()
-            for out in outs:
-                route = self._routes.get(out.request_id)
-                if route is not None:
-                    route[0].put(route[1], out)
-                    fed.add(route[0])
-                    if out.finished:
-                        del self._routes[out.request_id]
-            for sub in fed:
+            for sub in self.router.route(outs):
                 if sub.sent - sub.taken > self.max_backlog * len(sub.request_ids):
                     self._fail(sub, "the client stopped reading its stream: its requests were aborted")
 
@@ -182,41 +179,32 @@ class EngineLoop:
                 return False
             if cmd[0] == "add":
                 sub, jobs = cmd[1], cmd[2]
-                for choice, (rid, (ids, params, *extra)) in enumerate(jobs):
+                for rid, choice, (ids, params, *extra) in jobs:
                     hints, salt = (extra + [None, None])[:2]
-                    try:
-                        # admitted in turn with other clients' requests (stand-in cores take no hints)
-                        self.core.add_request(rid, ids, params, group=sub.request_ids[0],
-                                              **({"snapshot_hints": hints} if hints else {}),
-                                              **({"cache_salt": salt} if salt else {}))
+                    try:  # admitted in turn with other clients' requests
+                        self.router.add(sub, rid, choice, ids, params, group=sub.request_ids[0],
+                                        snapshot_hints=hints, cache_salt=salt)
                     except Exception as exc:  # the core reports bad input at its next step; anything else fails here
                         log.exception("add_request failed")
                         sub.put(choice, _failed(rid, f"{type(exc).__name__}: {exc}"))
-                        continue
-                    self._routes[rid] = (sub, choice)
             elif cmd[0] == "fail":
                 self._fail_all(cmd[1], reason="abort")
             else:
-                for rid in cmd[1]:
-                    if self._routes.pop(rid, None) is not None:
-                        self.core.abort_request(rid)
+                self.router.abort(cmd[1])
             self._stats = self.core.stats()
 
     def _fail(self, sub: Submission, message: str) -> None:
         """Abort one submission's running requests (each gets a final output saying why)."""
-        for choice, rid in enumerate(sub.request_ids):
-            if self._routes.pop(rid, None) is not None:  # aborted before the client hears it ended
-                self.core.abort_request(rid)
-                sub.put(choice, _failed(rid, message, "abort"))
+        for rid, _, choice in self.router.abort(sub.request_ids):  # aborted before the client hears it ended
+            sub.put(choice, _failed(rid, message, "abort"))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        for rid, (sub, choice) in list(self._routes.items()):
+        for rid, sub, choice in self.router.drop(list(self.router.routes)):
             try:  # aborted before the client hears it ended
                 self.core.abort_request(rid)
             except Exception:  # the engine is already in a bad state; the request is failed either way
                 log.exception("abort after a failed step")
             sub.put(choice, _failed(rid, message, reason))
-        self._routes.clear()
 
 
 def _failed(request_id, message: str, reason: str = "error") -> EngineOutput:

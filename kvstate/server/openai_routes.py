@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvstate.engine.request_check import prompt_tokens, stop_tokens_problem
 from kvstate.errors import KvstateError
 from kvstate.llm import cache_prefix_points
 from kvstate.server import protocol as P
@@ -104,7 +105,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise ApiError(str(exc), param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
         hints = {}
-        if loop.core.scheduler.prefix is not None:  # the state is kept where each message ends (as LLM.chat)
+        if loop.core.prefix_caching:  # the state is kept where each message ends (as LLM.chat)
             ends = tokenizer.message_ends(messages, ids, add_generation_prompt=body.add_generation_prompt,
                                           last=CHAT_HINTS)
             hints = dict.fromkeys(ends, "chat")
@@ -166,17 +167,12 @@ def _check(loop, body, prompts: list[list[int]], params) -> None:
                            f"{want} tokens ({len(ids)} in the prompt, {params.max_tokens or 0} in the completion). "
                            f"Please reduce the length of the prompt or max_tokens.", param="prompt",
                            code="context_length_exceeded")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(f"prompt token {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
-    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-    if outside:
-        raise ApiError(f"stop_token_ids {outside[:4]} are outside the vocabulary [0, {vocab})", param="stop_token_ids")
-
-
-def _jobs(prompts, params, hints, salt: str | None = None) -> list:
-    return [(ids, params if params.n == 1 else params.for_sample(k), h or None, *((salt,) if salt else ()))
-            for ids, h in zip(prompts, hints) for k in range(params.n)]
+        problem = prompt_tokens(ids, vocab)[1]
+        if problem is not None:
+            raise ApiError(problem, param="prompt")
+    problem = stop_tokens_problem(params.stop_token_ids, vocab)
+    if problem is not None:
+        raise ApiError(problem, param="stop_token_ids")
 
 
 # -- results out ---------------------------------------------------------------------------------
@@ -186,7 +182,7 @@ async def _serve(request: Request, body, prompts, params, *, chat: bool, hints: 
     if body.stop and lone_surrogate("".join([body.stop] if isinstance(body.stop, str) else body.stop)):
         raise ApiError("stop holds a lone UTF-16 surrogate: not valid text", param="stop")
     metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-    sub = loop.submit(_jobs(prompts, params, hints, body.cache_salt))
+    sub = loop.submit([(ids, params, h or None, body.cache_salt) for ids, h in zip(prompts, hints)])
     reply = _Reply(loop, chat, body.model or loop.model_name, prompts, params)
     if not chat:
         reply.echo = (texts, body.echo, body.prompt_logprobs is not None)

@@ -13,7 +13,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from kvstate import LLM, SamplingParams
 from kvstate.cache.spec import cache_spec
-from kvstate.models.generate import greedy_generate
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.models.checks import random_ids, redraw_weights
 from tests.models.test_jamba import tiny as tiny_jamba

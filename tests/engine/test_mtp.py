@@ -19,10 +19,11 @@ from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeT
 
 from kvstate import LLM, SamplingParams
 from kvstate.cache.spec import cache_spec
+from kvstate.engine.speculative.drafter import Drafter
 from kvstate.errors import KvstateError
 from kvstate.families import read_plan
 from kvstate.models import decode_blocks
-from kvstate.models.generate import greedy_generate
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.models.checks import random_ids, redraw_weights
 from tests.models.mtp_checkpoint import TINY_QWEN3_5, add_mtp
@@ -138,14 +139,16 @@ def test_checkpoint_without_mtp_refuses_method_mtp(tmp_path):
     assert "\n" not in str(e.value)
 
 
-class Checked:
+class Checked(Drafter):
     """Wraps the MTP drafter: checks its drafts against the reference, then hands the verify the plain
     greedy continuation with every third position wrong, so verify entries accept 0..k drafts and
     the head's KV is rewritten after acceptances of every length."""
 
     def __init__(self, inner, ref, expected):
         self.inner, self.ref, self.expected, self.checked = inner, ref, expected, 0
-        self.observe, self.release = inner.observe, inner.release
+        self.after_step, self.release = inner.after_step, inner.release
+
+    wants_hidden = True
 
     def propose(self, requests):
         out = []
@@ -171,7 +174,7 @@ def test_drafts_are_the_reference_heads_and_rejected_kv_is_rewritten(family, mon
     prompt = random_ids(VOCAB, 11, 3)
     expected = prompt + greedy_generate(llm.model, prompt, 12)
     proposer = llm.engine.proposer
-    proposer.drafter = Checked(proposer.drafter, Reference(hf, mtp), expected)
+    proposer = llm.engine.set_proposer(proposer.config, Checked(proposer.drafter, Reference(hf, mtp), expected))
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected[len(prompt):]
     assert proposer.drafter.checked >= 4

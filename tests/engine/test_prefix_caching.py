@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kvstate import LLM, SamplingParams
-from kvstate.models.generate import greedy_generate
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.engine.test_engine import FAMILIES, VOCAB
 from tests.engine.test_prefix_scheduler import check_prefix_pools

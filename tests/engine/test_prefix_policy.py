@@ -104,7 +104,7 @@ def test_snapshots_stay_within_the_pools_under_shared_documents(path):
         assert stats["snapshot_bytes"] + running_slots * sizes.slot_bytes <= budget
         steps += 1
     assert core.stats()["prefix_hits"] > 0
-    from kvstate.models.generate import greedy_generate
+    from tests.greedy import greedy_generate
 
     for s in seqs:
         want = greedy_generate(llm.model, s.prompt_token_ids, s.params.max_tokens)

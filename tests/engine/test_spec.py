@@ -9,7 +9,8 @@ token corrupted, so verify entries accept 0..k drafts and roll back to every len
 import pytest
 
 from kvstate import LLM, SamplingParams
-from kvstate.models.generate import greedy_generate
+from kvstate.engine.speculative.drafter import Drafter
+from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
 from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_qwen3_5
 from tests.models.checks import random_ids, redraw_weights
@@ -24,7 +25,7 @@ def checkpoint(request, tmp_path_factory):
     return path
 
 
-class NoisyReplay:
+class NoisyReplay(Drafter):
     """Drafts the plain greedy continuation, every third position (by position) wrong."""
 
     def __init__(self, expected: dict[tuple, list[int]]):
@@ -36,9 +37,6 @@ class NoisyReplay:
             full, n = self.expected[tuple(seq.prompt_token_ids)], seq.num_tokens
             out.append([t if (n + i) % 3 else (t + 1) % VOCAB for i, t in enumerate(full[n : n + k])])
         return out
-
-    def release(self, seq):
-        pass
 
 
 def small_spec_llm(path, spec, blocks=24, block_size=4, num_seqs=6, budget=24, **kw):
@@ -56,7 +54,8 @@ def test_speculation_gives_exact_greedy_tokens_under_preemption(checkpoint, draf
     prompts[3] = [5, 6, 7, 8] * 4  # something prompt lookup can draft from
     expected = [greedy_generate(llm.model, p, NEW) for p in prompts]
     if drafter == "noisy":
-        llm.engine.proposer.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
+        replay = NoisyReplay({tuple(p): p + e for p, e in zip(prompts, expected)})
+        llm.engine.set_proposer(llm.engine.proposer.config, replay)
     done, _ = run_arrivals(llm.engine, prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     outs = [done[i] for i in range(len(prompts))]
     assert [o.token_ids for o in outs] == expected
@@ -76,7 +75,7 @@ def test_stop_inside_the_accepted_drafts_ends_there(checkpoint):
     llm = LLM(checkpoint, cache_memory="16MiB", speculative_config={"method": "ngram", "num_speculative_tokens": 6})
     prompt = random_ids(VOCAB, 9, 5)
     plain = greedy_generate(llm.model, prompt, NEW)
-    llm.engine.proposer.drafter = NoisyReplay({tuple(prompt): prompt + plain})
+    llm.engine.set_proposer(llm.engine.proposer.config, NoisyReplay({tuple(prompt): prompt + plain}))
     stop = plain[7]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[stop]))[0]
     assert out.token_ids == plain[: plain.index(stop) + 1] and out.finish_reason == "stop"
@@ -144,10 +143,38 @@ def test_prefix_caching_and_speculation_together_stay_exact(checkpoint):
     second = [p + o + random_ids(VOCAB, 4, 90 + i) for i, (p, o) in enumerate(zip(first, want1))]
     second.append(first[0] + want1[0] + random_ids(VOCAB, 5, 99))  # another branch of the first chat
     want2 = [greedy_generate(llm.model, p, NEW) for p in second]
-    llm.engine.proposer.drafter = NoisyReplay({tuple(p): p + e for p, e in zip(first + second, want1 + want2)})
+    replay = NoisyReplay({tuple(p): p + e for p, e in zip(first + second, want1 + want2)})
+    llm.engine.set_proposer(llm.engine.proposer.config, replay)
     assert [o.token_ids for o in llm.generate(first, params)] == want1
     outs = llm.generate(second, params)
     assert [o.token_ids for o in outs] == want2
     assert all(o.num_cached_tokens > len(system) for o in outs)  # each turn reuses its conversation so far
     stats = llm.stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+
+
+def test_set_proposer_switches_between_requests_and_refuses_a_head_without_its_pools(checkpoint):
+    """`EngineCore.set_proposer` turns speculation on and off between requests (the outputs stay the
+    plain ones), refuses while requests are in flight, and refuses a drafter that needs the MTP
+    head's pools in an engine built without them."""
+    from kvstate.engine.speculative.mtp import MtpDrafter
+    from kvstate.errors import KvstateError
+
+    llm = LLM(checkpoint, cache_memory="16MiB")
+    core, prompt = llm.engine, random_ids(VOCAB, 9, 5)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    plain = llm.generate([prompt], params)[0].token_ids
+    prop = core.set_proposer({"method": "ngram", "num_speculative_tokens": 3},
+                             NoisyReplay({tuple(prompt): prompt + plain}))
+    assert core.proposer is prop and not core.runner.keep_hidden
+    assert llm.generate([prompt], params)[0].token_ids == plain
+    assert 0 < prop.num_accepted_tokens < prop.num_draft_tokens
+    core.add_request("x", prompt, params)
+    with pytest.raises(KvstateError, match="in flight"):
+        core.set_proposer(None)
+    while core.has_unfinished():
+        core.step()
+    assert core.set_proposer(None) is None and core.proposer is None
+    assert llm.generate([prompt], params)[0].token_ids == plain
+    with pytest.raises(KvstateError, match="pools hold its KV"):
+        core.set_proposer({"method": "ngram", "num_speculative_tokens": 2}, MtpDrafter.__new__(MtpDrafter))

@@ -8,7 +8,8 @@ import torch
 
 from kvstate.families import read_plan
 from kvstate.hub import resolve_checkpoint
-from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.generate import forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import load_model
 from kvstate.models.tokenizer import Tokenizer
 

@@ -28,7 +28,8 @@ from kvstate.config.fields import ConfigView
 from kvstate.errors import KvstateError
 from kvstate.models.batch import Batch
 from kvstate.models.build import build_model
-from kvstate.models.generate import contiguous_caches, forward_logits, greedy_generate
+from kvstate.models.generate import contiguous_caches, forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import family_of, load_model
 
 

@@ -12,7 +12,8 @@ from kvstate import kernels
 from kvstate.kernels import _ext
 from kvstate.models.batch import Batch
 from kvstate.models.decode_blocks import per_op
-from kvstate.models.generate import contiguous_caches, greedy_generate
+from kvstate.models.generate import contiguous_caches
+from tests.greedy import greedy_generate
 from tests.kernels.conftest import extension
 from tests.kernels.test_decode_gdn import Spy
 from tests.models.checks import random_ids, redraw_weights, rel_err, save_and_load

@@ -17,7 +17,8 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from kvstate.errors import KvstateError
 from kvstate.kernels import Linear
-from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.generate import forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import load_model, weight_dtype_of
 from tests.models.checks import random_ids, redraw_weights, rel_err
 

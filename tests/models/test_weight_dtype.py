@@ -16,7 +16,8 @@ import torch
 from kvstate import kernels
 from kvstate.errors import KvstateError
 from kvstate.kernels import Linear
-from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.generate import forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import load_model, weight_dtype_of
 from tests.models.checks import random_ids, redraw_weights, rel_err
 from tests.models.test_dense import _tiny_llama

@@ -18,7 +18,8 @@ from kvstate.config import bundled_names
 from kvstate.families import read_plan
 from kvstate.errors import KvstateError
 from kvstate.hub import resolve_checkpoint, resolve_config
-from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.generate import forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import load_model
 from kvstate.models.tokenizer import Tokenizer
 from kvstate.recall.tasks import phonebook_entries, phonebook_prompt

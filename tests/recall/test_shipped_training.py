@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstate.models.generate import forward_logits, greedy_generate
+from kvstate.models.generate import forward_logits
+from tests.greedy import greedy_generate
 from kvstate.models.loader import load_model
 from kvstate.models.tokenizer import Tokenizer
 from kvstate.recall.chat_data import (EOS, build_tokenizer, copy_chat, encode_chat, phonebook_chat, render,

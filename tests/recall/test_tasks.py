@@ -5,7 +5,15 @@ import re
 import numpy as np
 import pytest
 
-from kvstate.recall.tasks import IGNORE, first_number, mqar, mqar_accuracy, needle, phonebook
+from kvstate.recall.tasks import IGNORE, TokenTask, first_number, mqar, needle, phonebook
+
+
+def mqar_accuracy(task: TokenTask, predictions: np.ndarray) -> float:
+    """Fraction of scored positions whose predicted token ([B, T], argmax of the logits) is the target."""
+    mask = task.targets != IGNORE
+    if not mask.any():
+        raise ValueError("no scored positions")
+    return float((predictions[mask] == task.targets[mask]).mean())
 
 
 def test_mqar_queries_ask_earlier_keys_and_targets_are_their_values():

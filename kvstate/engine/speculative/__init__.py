@@ -1,6 +1,7 @@
 """Speculative decoding: drafters propose k tokens, one forward verifies them, rejection sampling
 keeps the target distribution, and the linear layers roll back to the accepted length.
 
+    drafter.py     the Drafter protocol (propose, release, after_step) and the StepResult it sees  no torch
     config.py      SpeculativeConfig from vLLM's dict ({"method": "ngram" | "mtp", ...} or {"model": PATH})  no torch
     ngram.py       prompt lookup: the continuation of the latest earlier match of the last n tokens      no torch
     proposer.py    which requests get drafts and how many (limits, eligible params), per step            no torch

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstate.engine.block_manager import BlockManager, SlotManager
+from kvstate.engine.speculative.drafter import Drafter
 from kvstate.errors import KvstateError
 from kvstate.models.batch import Batch
 
@@ -38,7 +39,7 @@ def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, k: int) -> tup
     return fixed, spec.kv_bytes_per_token
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, kv_capacity_tokens: int, k: int):
         """`kv_capacity_tokens`: the most tokens held at once by all requests (the target's KV capacity)."""
         from kvstate.cache.spec import cache_spec

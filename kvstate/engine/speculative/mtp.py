@@ -6,14 +6,15 @@ second block manager, and the scheduler's trimming of rejected drafts' blocks tr
 too. What the draft-model drafter does with its `done` counter holds here per position: the
 head's KV at position p is written from the target's hidden state h_p and the token at p + 1.
 
-- `observe(step)`, after every step's postprocess: for each entry, the positions p the target
+- `after_step(result)`, after every step's postprocess: for each entry, the positions p the target
   just computed whose next token is now known (prompt chunks, the accepted part of a verify,
-  a decode) run through the head in one batched forward, h_p from `runner.hidden`. This
+  a decode) run through the head in one batched forward, h_p from the step's hidden states
+  (`result.hidden`, which the runner keeps because `wants_hidden`). This
   overwrites whatever a previous step's chained drafts wrote there (their KV was computed from
   the head's own output, not h_p): the rollback is this rewrite, before any later read.
   The row at the last known position (p = n - 2) gives draft 1.
   A sequence that resumed at p from a prefix-cache snapshot (`step.resumed`) first gets the head's
-  row p - 1 rewritten from h_{p-1} (which the runner keeps with every state slot: `slot_hidden`)
+  row p - 1 rewritten from h_{p-1} (which the runner keeps with every state slot: `result.hidden.resumed`)
   and its own token at p: the row in the shared or copied block was written for the tokens of
   the request that left the snapshot, which may go on differently there.
 - `propose`: drafts 2..k chain on the head's own output y at positions n - 1, n, ... in blocks
@@ -29,6 +30,7 @@ from itertools import accumulate
 import torch
 
 from kvstate.engine.sequence import SequenceStatus
+from kvstate.engine.speculative.drafter import Drafter, StepResult
 from kvstate.kernels.threads import small_ops_serial
 from kvstate.models import decode_blocks
 from kvstate.models.batch import Batch
@@ -38,7 +40,9 @@ from kvstate.profiling import timed
 SHORT = 16  # entries of at most this many tokens run through the per-token attention kernel
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
+    wants_hidden = True
+
     def __init__(self, runner, blocks):
         """`runner`: the engine's ModelRunner built with mtp=True; `blocks`: the scheduler's BlockManager."""
         self.runner, self.blocks = runner, blocks
@@ -48,7 +52,7 @@ class MtpDrafter:
         self.device = self.model.device
         self.cache = runner.caches[-1]  # the head's KV pools: the cache spec's last layer
         self.ready: dict[object, tuple[int, int, torch.Tensor]] = {}  # seq -> (num_tokens, draft 1, y [1, H])
-        self.pending: tuple | None = None  # batch 1: observe's compiled head call, run by the propose after it
+        self.pending: tuple | None = None  # batch 1: after_step's compiled head call, run by the propose after it
 
     def release(self, seq) -> None:
         self.ready.pop(seq, None)
@@ -57,14 +61,15 @@ class MtpDrafter:
 
     @timed("drafter")
     @torch.inference_mode()
-    def observe(self, step) -> None:
-        """Run the head over the positions of `step` whose next token is known (see the module docstring)."""
-        if self.pending is not None:  # no propose ran since the last observe: its KV rows first
+    def after_step(self, result: StepResult) -> None:
+        """Run the head over the positions of the step whose next token is known (see the module docstring)."""
+        if self.pending is not None:  # no propose ran since the last after_step: its KV rows first
             self._settle(self.pending, 0)
             self.pending = None
-        self._resumed(step)
-        hidden, hb = self.runner.hidden, self.runner.hidden_batch
-        offsets = hb.token_offsets
+        step, hidden = result.step, result.hidden
+        self._resumed(step, hidden.resumed)
+        hb = hidden.batch
+        hidden, offsets = hidden.states, hb.token_offsets
         rows, ids, lens, starts, slots, tables, live = [], [], [], [], [], [], []
         for i, (seq, c, q) in enumerate(zip(step.seqs, step.context_lens, step.num_tokens)):
             end = min(c + q, seq.num_tokens - 1)  # positions c .. end - 1 have h and a next token
@@ -111,9 +116,9 @@ class MtpDrafter:
             else:
                 self.ready.pop(seq, None)
 
-    def _resumed(self, step) -> None:
-        """Rewrite the head's row p - 1 of each entry that resumed at p from a snapshot (see the module docstring)."""
-        got = self.runner.resumed_hidden
+    def _resumed(self, step, got: dict) -> None:
+        """Rewrite the head's row p - 1 of each entry that resumed at p from a snapshot (see the module
+        docstring); `got`: entry -> h_{p-1} [H]."""
         live = [(i, seq, c) for i in getattr(step, "resumed", ()) if i in got
                 for seq, c in [(step.seqs[i], step.context_lens[i])] if seq.status is SequenceStatus.RUNNING]
         if not live:
@@ -129,7 +134,7 @@ class MtpDrafter:
         """requests: (sequence, most drafts wanted) -> the head's greedy drafts."""
         drafts: list[list[int]] = [[] for _ in requests]
         pending, self.pending = self.pending, None
-        if pending is not None:  # observe's rows, then the whole chain, as one compiled call
+        if pending is not None:  # after_step's rows, then the whole chain, as one compiled call
             j = next((j for j, (s, _) in enumerate(requests) if s is pending[0]), None)
             got = self._settle(pending, 0 if j is None else requests[j][1])
             if j is not None:
@@ -187,7 +192,7 @@ class MtpDrafter:
         return self._run(ids, hidden, batch)
 
     def _settle(self, pending, k: int) -> list[int]:
-        """Run the head over the rows observe left `pending` (one sequence: its KV there, draft 1 from the
+        """Run the head over the rows after_step left `pending` (one sequence: its KV there, draft 1 from the
         last row), then drafts 2..k chained on it where its blocks can grow: one compiled call."""
         seq, compiled, ids, h, start = pending
         steps = 0

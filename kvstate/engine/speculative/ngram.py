@@ -8,8 +8,10 @@ itself. As a distribution the draft is one-hot, which the rejection sampler reli
 
 from __future__ import annotations
 
+from kvstate.engine.speculative.drafter import Drafter
 
-class NgramDrafter:
+
+class NgramDrafter(Drafter):
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.min, self.max = prompt_lookup_min, prompt_lookup_max
 
@@ -27,6 +29,3 @@ class NgramDrafter:
                 if tokens[s] == suffix[0] and tokens[s:s + n] == suffix:
                     return tokens[s + n : s + n + k]
         return []
-
-    def release(self, seq) -> None:
-        """Nothing is held per request."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvstate.engine.sequence import Sequence, SequenceStatus
 from kvstate.engine.speculative.config import SpeculativeConfig
+from kvstate.engine.speculative.drafter import Drafter, StepResult
 
 
 def eligible(params) -> bool:
@@ -19,7 +20,7 @@ def eligible(params) -> bool:
 
 
 class Proposer:
-    def __init__(self, config: SpeculativeConfig, drafter, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int):
         self.config, self.drafter, self.max_model_len = config, drafter, max_model_len
         self.num_verify_entries = 0  # totals over the engine's life
         self.num_draft_tokens = 0
@@ -42,9 +43,18 @@ class Proposer:
             k = self.limit(seq)
             if k:
                 wanted.append((seq, k))
-        if wanted or hasattr(self.drafter, "observe"):  # a drafter that observes may have work left from it
-            for (seq, k), drafts in zip(wanted, self.drafter.propose(wanted)):
-                seq.spec_token_ids = list(drafts[:k])
+        for (seq, k), drafts in zip(wanted, self.drafter.propose(wanted)):
+            seq.spec_token_ids = list(drafts[:k])
+
+    def after_step(self, result: StepResult, running: list[Sequence]) -> None:
+        """After each step's postprocess: count its verify entries, let the drafter drop what it
+        held for the ended requests and follow the step, then draft for the next step."""
+        self.record(result.step, result.token_ids)
+        for seq in result.ended:
+            self.drafter.release(seq)
+        if not result.step.is_empty:
+            self.drafter.after_step(result)
+        self.propose(running)
 
     def record(self, step, token_ids: list) -> None:
         """Count a step's verify entries: `token_ids[j]` is what sampled entry j got (a list for verify)."""
@@ -55,17 +65,6 @@ class Proposer:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(token_ids[j]) - 1
 
-    def observe(self, step) -> None:
-        """After each step's postprocess: a drafter that follows the target's steps (MTP) sees it."""
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None and not step.is_empty:
-            observe(step)
-
-    def release(self, seqs) -> None:
-        """Requests that finished or were preempted: the drafter drops what it holds for them."""
-        for seq in seqs:
-            self.drafter.release(seq)
-
     def stats(self) -> dict:
         drafted = self.num_draft_tokens
         return {"spec_num_drafts": self.num_verify_entries, "spec_num_draft_tokens": drafted,
@@ -75,19 +74,16 @@ class Proposer:
                                               if self.num_verify_entries else 0.0)}
 
 
-def make_proposer(config, core) -> Proposer:
-    """The Proposer of `config` (vLLM's dict) for an EngineCore: prompt lookup, the MTP head or a draft model."""
-    config = SpeculativeConfig.from_dict(config)
+def make_drafter(config: SpeculativeConfig, core) -> Drafter:
+    """The drafter `config` names, for an EngineCore: prompt lookup, the MTP head or a draft model."""
     if config.method == "ngram":
         from kvstate.engine.speculative.ngram import NgramDrafter
 
-        drafter = NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    elif config.method == "mtp":
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "mtp":
         from kvstate.engine.speculative.mtp import MtpDrafter
 
-        drafter = MtpDrafter(core.runner, core.scheduler.blocks)
-    else:
-        from kvstate.engine.speculative.draft_model import DraftModelDrafter
+        return MtpDrafter(core.runner, core.scheduler.blocks)
+    from kvstate.engine.speculative.draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter.load(config.model, core, config.num_speculative_tokens)
-    return Proposer(config, drafter, core.max_model_len)
+    return DraftModelDrafter.load(config.model, core, config.num_speculative_tokens)

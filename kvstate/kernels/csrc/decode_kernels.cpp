@@ -2,7 +2,7 @@
 // extension only runs on CPUs with at least that; see gemv.cpp). The vectors are a few thousand
 // floats and a layer's states a MiB per sequence: the point is one pass over each, in cache,
 // instead of torch's ~10 ops and temporaries per norm or per head. The state update keeps its
-// partial products in registers (the plain loop was compute-bound at a sixth of memory speed),
+// partial products in registers (a plain loop over them is compute-bound, not memory-bound),
 // and SiLU uses a vectorized exp (Cephes' polynomial, within 2 ulp of expf).
 #include <immintrin.h>
 
