@@ -12,7 +12,7 @@ from kvstate import LLM, SamplingParams
 from kvstate.engine.speculative.drafter import Drafter
 from tests.greedy import greedy_generate
 from tests.arrivals import run_arrivals
-from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_qwen3_5
+from tests.engine.test_engine import FAMILIES, LENGTHS, VOCAB, tiny_mamba2, tiny_qwen3_5
 from tests.models.checks import random_ids, redraw_weights
 
 NEW = 12
@@ -108,6 +108,21 @@ def test_a_hybrid_draft_model_of_the_same_vocabulary(tmp_path):
         assert target_bytes + draft_bytes > 0.95 * (16 << 20)  # and little of it is left unused
         sizes = llm.engine.runner.sizes
         assert drafter.runner.sizes.num_blocks >= sizes.num_blocks  # same block size
+
+
+def test_a_draft_without_kv_layers_keeps_block_ids_for_one_request_length(tmp_path):
+    """A Mamba-2 target drafted by itself (no KV anywhere): the draft's bookkeeping blocks cover one
+    request's length per slot, not the capacity of all requests per slot (32 x 1M tokens asked
+    for ~20 GB of block ids at the default max_model_len)."""
+    tiny_mamba2().save_pretrained(tmp_path)
+    llm = LLM(tmp_path, cache_memory="16MiB", max_model_len=64, max_num_seqs=4, block_size=4,
+              speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3})
+    drafter = llm.engine.proposer.drafter
+    assert drafter.runner.sizes.num_blocks == 2 * 4 * -(-(64 + 3 + 4) // 4)
+    prompt = random_ids(VOCAB, 9, 3)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = LLM(tmp_path, cache_memory="16MiB", max_model_len=64).generate([prompt], params)[0].token_ids
+    assert llm.generate([prompt], params)[0].token_ids == want
 
 
 def test_requests_with_penalties_or_logprobs_get_no_drafts(checkpoint):

@@ -40,14 +40,19 @@ def draft_pool_bytes(spec, *, max_num_seqs: int, block_size: int, k: int) -> tup
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, kv_capacity_tokens: int, k: int):
-        """`kv_capacity_tokens`: the most tokens held at once by all requests (the target's KV capacity)."""
+    def __init__(self, model, plan, *, max_num_seqs: int, block_size: int, kv_capacity_tokens: int, k: int,
+                 max_model_len: int | None = None):
+        """`kv_capacity_tokens`: the most tokens held at once by all requests (the target's KV capacity);
+        `max_model_len`: the most one request holds (the target's; None: all of the capacity)."""
         from kvstate.cache.spec import cache_spec
         from kvstate.engine.runner import ModelRunner
 
         spec = cache_spec(plan, kv_dtype="float32", state_dtype="float32", conv_dtype="float32")
         slots = 2 * max_num_seqs
-        tokens = kv_capacity_tokens + max_num_seqs * (k + block_size)
+        # one request's length, drafts and a block included: a draft without KV layers keeps block ids for
+        # that many tokens per slot (the capacity of all requests per slot would be billions of ids)
+        longest = min(kv_capacity_tokens, max_model_len or kv_capacity_tokens)
+        tokens = longest + k + block_size
         fixed, per_token = draft_pool_bytes(spec, max_num_seqs=max_num_seqs, block_size=block_size, k=k)
         budget = fixed + kv_capacity_tokens * per_token
         self.runner = ModelRunner(model, plan, cache_bytes=budget, block_size=block_size, num_slots=slots,
@@ -66,7 +71,7 @@ class DraftModelDrafter(Drafter):
                                f"target's ({core.plan.vocab_size})")
         cfg = core.scheduler.config
         return cls(model, plan, max_num_seqs=cfg.max_num_seqs, block_size=cfg.block_size,
-                   kv_capacity_tokens=cfg.num_blocks * cfg.block_size, k=k)
+                   kv_capacity_tokens=cfg.num_blocks * cfg.block_size, k=k, max_model_len=cfg.max_model_len)
 
     def release(self, seq) -> None:
         h = self.held.pop(seq, None)
