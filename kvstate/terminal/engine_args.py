@@ -50,7 +50,7 @@ def add_engine_args(parser, names: tuple[str, ...]) -> None:
     for name in names:
         f, meta = SETTINGS[name], SETTINGS[name].metadata
         flags = meta["flags"] or ("--" + name.replace("_", "-"),)
-        text = meta["help"]
+        text = meta["help"].replace("%", "%%")  # argparse expands %(...)s in help: a literal % must be doubled
         if f.default is False:
             parser.add_argument(*flags, dest=name, action="store_true", help=text)
             continue

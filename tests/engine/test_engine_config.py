@@ -98,3 +98,18 @@ def test_the_budget_without_cache_memory_holds_every_sequence_at_full_length(mon
     with pytest.raises(KvstateError, match="needs a checkpoint with multi-token-prediction"):
         budget.engine_budget(EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
                              model, plan)
+
+
+def test_every_command_help_renders():
+    """Help is generated from the fields' text: a literal '%' in one (activation_dtype's "~2% off")
+    made argparse's %-expansion raise on `kvstate serve --help`."""
+    from kvstate.cli import build_parser
+
+    def walk(parser, path):
+        assert parser.format_help(), path
+        for action in parser._actions:
+            if action.__class__.__name__ == "_SubParsersAction":
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+
+    walk(build_parser(), "kvstate")
