@@ -45,7 +45,10 @@ class BlockManager:
             raise ValueError(f"num_blocks must be >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # never-used ids are implicit (the next is `_fresh`), so a pool of bookkeeping-only blocks (a model
+        # without KV layers: num_slots x max_model_len / block_size ids) costs no Python int per block
+        self._fresh = 0
+        self._free: deque[int] = deque()  # ids freed since, reused after the fresh ones, oldest first
         self._refs = [0] * num_blocks
         # prefix caching: content hash of full blocks, hash -> block, unreferenced cached blocks (LRU first)
         self._hash: dict[int, int] = {}  # block -> hash
@@ -58,7 +61,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out: free ones and cached ones no sequence references."""
-        return len(self._free) + len(self._evictable)
+        return self.num_blocks - self._fresh + len(self._free) + len(self._evictable)
+
+    def free_block_ids(self) -> list[int]:
+        """The unreferenced, uncached ids in the order `allocate` takes them (for checks; O(num_blocks))."""
+        return [*range(self._fresh, self.num_blocks), *self._free]
 
     @property
     def num_used_blocks(self) -> int:
@@ -94,7 +101,9 @@ class BlockManager:
             raise CacheAccountingError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            if self._free:
+            if self._fresh < self.num_blocks:
+                b, self._fresh = self._fresh, self._fresh + 1
+            elif self._free:
                 b = self._free.popleft()
             else:
                 b, _ = self._evictable.popitem(last=False)

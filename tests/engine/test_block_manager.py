@@ -14,7 +14,7 @@ from kvstate.engine.block_manager import BlockManager, CacheAccountingError, Slo
 def check_blocks(bm: BlockManager, tables: list[list[int]]) -> None:
     """Every block is free exactly once or referenced exactly as often as the tables hold it."""
     held = Counter(b for t in tables for b in t)
-    free = list(bm._free)
+    free = bm.free_block_ids()
     assert len(free) == len(set(free)), "a block is on the free list twice"
     assert not held.keys() & set(free), "a held block is on the free list"
     assert len(held) + len(free) == bm.num_blocks, "a block is neither held nor free (leaked)"
@@ -54,7 +54,7 @@ def test_shared_block_returns_to_free_list_only_after_last_reference():
     check_blocks(bm, [a, b])
     shared = a[0]
     bm.free(a)
-    assert bm.ref_count(shared) == 1 and shared not in bm._free
+    assert bm.ref_count(shared) == 1 and shared not in bm.free_block_ids()
     check_blocks(bm, [b])
     bm.free(b)
     check_blocks(bm, [])
@@ -169,3 +169,27 @@ def test_pool_sizes_without_kv_layers_give_free_block_ids():
     spec = SimpleNamespace(kv_bytes_per_token=0, state_bytes=1000)  # e.g. a pure Mamba-2 model
     sizes = pool_sizes(spec, 10_000, block_size=16, num_slots=4, max_model_len=100)
     assert (sizes.num_blocks, sizes.kv_bytes, sizes.state_bytes) == (4 * 7, 0, 4000)
+
+
+def test_fresh_ids_come_first_in_order_then_freed_ones_oldest_first():
+    bm = BlockManager(4, 2)
+    a = bm.allocate(3)
+    assert a == [0, 1, 2] and bm.num_free_blocks == 1
+    bm.free([a[1]])
+    bm.free([a[0]])
+    assert bm.num_free_blocks == 3
+    assert bm.allocate(3) == [3, 1, 0]  # the never-used id, then the freed ones in the order freed
+    assert bm.num_free_blocks == 0
+
+
+def test_a_large_bookkeeping_pool_holds_no_int_per_block():
+    """A model without KV layers gets num_slots x max_model_len / block_size block ids (8M for 32
+    sequences of 1M tokens in blocks of 4): the free list must not hold a Python int for each."""
+    import tracemalloc
+
+    tracemalloc.start()
+    bm = BlockManager(2_000_000, 4)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 24 << 20, peak  # the reference counts (8 bytes a block); a deque of ints was ~90 MB
+    assert bm.num_free_blocks == 2_000_000 and bm.allocate(2) == [0, 1]
