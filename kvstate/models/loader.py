@@ -126,6 +126,21 @@ def open_checkpoint(path: str | Path):
     return path, plan, family, family.model_options(ConfigView(plan.config, plan.source)), safetensors_files(path)
 
 
+def _target_sources(tensor, targets, params) -> list:
+    """(target, what it copies): a block Linear takes a `Blocks` tensor's rows, any other target its
+    weights, dequantized once for all of them; a plain tensor goes to every target as it is."""
+    if not isinstance(tensor, Blocks):
+        return [(t, tensor) for t in targets]
+    weights, out = None, []
+    for t in targets:
+        if params[t.name].dtype == torch.uint8:
+            out.append((t, tensor.raw))
+        else:
+            weights = dequantize(tensor.raw, tensor.qtype) if weights is None else weights
+            out.append((t, weights))
+    return out
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                progress: Callable[[int, int], None] | None = None, weight_dtype=None):
     """-> (model in eval mode, plan). `path` is a checkpoint directory or a hub id (kvstate.hub).
@@ -170,10 +185,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
             if progress is not None:
                 done += raw.numel() * raw.element_size()
                 progress(min(done, total), total)
-            for t in targets:
-                source = tensor
-                if isinstance(tensor, Blocks):  # a block Linear takes the rows; any other target their weights
-                    source = raw if params[t.name].dtype == torch.uint8 else dequantize(raw, tensor.qtype)
+            for t, source in _target_sources(tensor, targets, params):
                 copy_weight(params, filled, t, source, key, file.name, plan)
     if progress is not None:
         progress(total, total)
