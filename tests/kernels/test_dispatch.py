@@ -142,5 +142,5 @@ class _Spy:
         self.calls.append(isa)
         return self.ext.linear(x, w, b, isa, scale=scale)
 
-    def isas(self):
-        return self.ext.isas()
+    def __getattr__(self, name):  # everything else (isas, has_avx512_bf16, isa_cap...) as the extension
+        return getattr(self.ext, name)
