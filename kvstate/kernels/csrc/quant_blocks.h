@@ -39,8 +39,43 @@ void rows(const Args& a, int64_t n0, int64_t n1);
 void dequantize_rows(const Args& a, int64_t n0, int64_t n1);
 }  // namespace avx2
 
+// The opt-in llama.cpp arithmetic (activation_dtype "q8", quant_q8.cpp): x quantized per row as ggml's
+// vec_dot_type of the weight type (block_q8_0 for Q8_0 / Q4_0 weights, block_q8_K for the K-quants), then
+// integer dot products per block, each block's float scales applied in fp32.
+// x_type(type): kQ8_0 or kQ8_K (0 where "q8" does not serve `type`); x_row_bytes: one quantized x row.
+enum XType { kXQ8_0 = 8, kXQ8_K = 15 };
+struct BlockQ8_0 {  // ggml's block_q8_0: d = amax / 127 (fp16), codes round(x / d)
+  uint16_t d;
+  int8_t qs[32];
+};
+struct BlockQ8K {  // ggml's block_q8_K: d (fp32, its sign that of -max), codes, the sum of each 16 codes
+  float d;
+  int8_t qs[256];
+  int16_t bsums[16];
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8K) == 292, "ggml's block layouts");
+int x_type(int type);
+int64_t x_row_bytes(int type, int64_t K);
+// Whether quant_linear runs `type` with M x rows the "q8" way (the mode is on, M <= kQ8MaxRows, a type
+// it serves), and that run: x quantized once, W rows split over torch's threads (`wide`: AVX-512 was
+// chosen, and the CPU has VNNI; else the AVX2 kernels).
+constexpr int64_t kQ8MaxRows = 64;  // blocks.MAX_ROWS
+bool q8_serves(int type, int64_t M);
+void linear_q8(const Args& a, bool wide);
+// quantize_x: x rows [m0, m1) of a.x into xq (x_row_bytes each); rows_q8: y [M, N] for the W rows [n0, n1)
+// from xq. a caller that splits the rows over threads itself quantizes x once, then calls rows_q8 per part.
+namespace avx512 {  // AVX-512 with VNNI (256-bit vpdpbusd / vpdpwssd)
+void quantize_x(const Args& a, void* xq, int64_t m0, int64_t m1);
+void rows_q8(const Args& a, const void* xq, int64_t n0, int64_t n1);
+}  // namespace avx512
+namespace avx2 {
+void quantize_x(const Args& a, void* xq, int64_t m0, int64_t m1);
+void rows_q8(const Args& a, const void* xq, int64_t n0, int64_t n1);
+}  // namespace avx2
+
 }  // namespace kvstate::quant
 
 namespace kvstate {
 void register_quant_ops(pybind11::module_& m);
+void register_quant_q8_ops(pybind11::module_& m);  // quant_q8.cpp
 }  // namespace kvstate

@@ -80,10 +80,14 @@ Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Ten
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   pybind11::gil_scoped_release no_gil;
   const Args args{x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), int(type), bptr, y.data_ptr<float>(),
                   N};
+  if (q8_serves(int(type), M)) {  // the opt-in llama.cpp arithmetic (quant_q8.cpp)
+    linear_q8(args, wide);
+    return y;
+  }
+  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   // a thread gets at least ~64 KiB of blocks: tiny matrices do not pay for waking threads
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, w.size(1)));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -124,7 +128,8 @@ void register_quant_ops(pybind11::module_& m) {
   m.def("quant_dequantize", &op::quant_dequantize,
         "the fp32 weights [N, K] GGML blocks [N, bytes per row] of type `type` mean, exactly as ggml's dequantizer "
         "gives them", pybind11::arg("weight"), pybind11::arg("type"), pybind11::arg("isa") = "auto");
+  register_quant_q8_ops(m);
   m.def("quant_calls", [] { return std::vector<int64_t>{quant::calls[0].load(), quant::calls[1].load()}; },
-        "calls of quant_linear since load: [avx512, avx2]");
+        "calls of quant_linear's exact kernels since load: [avx512, avx2]");
 }
 }  // namespace kvstate
