@@ -20,6 +20,7 @@ struct Q8Isa {
   static __m256i dot_scaled(__m256i acc, __m256i p, __m256i sc) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sc));
   }
+  static constexpr bool kWideK = false;
 };
 }  // namespace
 

@@ -5,7 +5,8 @@
 //   dot_us(acc, u, s):      acc (int32 x8) += the sums of 4 products u8 * s8
 //   dot_scaled(acc, p, sc): acc (int32 x8) += the sums of 2 products int16 * int16
 //   kRows:                  x rows a W block is multiplied with while in registers
-// Both use 256-bit vectors (a 64-byte W block part would need its x codes in another order).
+//   kWideK, kquant<TYPE, MT>: the ISA's own form of the K-quant dots (AVX-512: quant_q8_wide.h)
+// The forms here use 256-bit vectors.
 
 namespace {
 
@@ -204,9 +205,12 @@ inline void dot_q8_0_codes(__m256i w, float dw, const uint8_t* x, int64_t xrow, 
   }
 }
 
-template <int TYPE, int MT>
+// I: Q8Isa (a parameter, so that its own K-quant form, I::kquant, is looked up only where it has one)
+template <int TYPE, int MT, class I = Q8Isa>
 inline void dot_block(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* acc) {
-  if constexpr (TYPE == kQ4_K) dot_qk<false, MT>(b, x, xrow, acc);
+  constexpr bool kquant = TYPE == kQ4_K || TYPE == kQ5_K || TYPE == kQ6_K;
+  if constexpr (kquant && I::kWideK) I::template kquant<TYPE, MT>(b, x, xrow, acc);
+  else if constexpr (TYPE == kQ4_K) dot_qk<false, MT>(b, x, xrow, acc);
   else if constexpr (TYPE == kQ5_K) dot_qk<true, MT>(b, x, xrow, acc);
   else if constexpr (TYPE == kQ6_K) dot_q6_k<MT>(b, x, xrow, acc);
   else if constexpr (TYPE == kQ8_0) dot_q8_0_codes<MT>(load(b + 2), q8_f16(b), x, xrow, acc);
