@@ -32,6 +32,11 @@ def random_blocks(qtype: str, n: int, k: int, seed: int):
 
 
 def measure(types: list[str], rows: list[int], mib: int, rounds: int, min_time: float) -> list[dict]:
+    return [r for qtype in types for n, k in SHAPES for r in _shape(qtype, n, k, rows, mib, rounds, min_time)]
+
+
+def _shape(qtype: str, n: int, k: int, rows: list[int], mib: int, rounds: int, min_time: float) -> list[dict]:
+    """One type and shape at each M: the copies of the matrix live only while it is measured."""
     import torch
 
     from kvstate.bench.linear import interleaved
@@ -39,27 +44,24 @@ def measure(types: list[str], rows: list[int], mib: int, rounds: int, min_time: 
     from kvstate.kernels.ggml_blocks import TYPES
 
     ext = _ext.load()
+    one = random_blocks(qtype, n, k, seed=n + k)
+    copies = [one] + [one.clone() for _ in range(max(0, mib * 2**20 // one.nbytes - 1))]
+    nbytes = one.nbytes * len(copies)
     out = []
-    for qtype in types:
-        for n, k in SHAPES:
-            one = random_blocks(qtype, n, k, seed=n + k)
-            copies = [one] + [one.clone() for _ in range(max(0, mib * 2**20 // one.nbytes - 1))]
-            nbytes = one.nbytes * len(copies)
-            for m in rows:
-                x = torch.randn(m, k)
+    for m in rows:
+        x = torch.randn(m, k)
 
-                def run(q8: bool):
-                    ext.set_q8_activations(q8)
-                    for w in copies:
-                        ext.quant_linear(x, w, None, TYPES[qtype].type_id)
+        def run(q8: bool):
+            ext.set_q8_activations(q8)
+            for w in copies:
+                ext.quant_linear(x, w, None, TYPES[qtype].type_id)
 
-                try:
-                    exact, q8 = interleaved([lambda: run(False), lambda: run(True)], min_time, rounds)
-                finally:
-                    ext.set_q8_activations(False)
-                out.append(dict(type=qtype, n=n, k=k, rows=m, exact_gbs=nbytes / exact / 1e9,
-                                q8_gbs=nbytes / q8 / 1e9, ratio=exact / q8))
-            del copies
+        try:
+            exact, q8 = interleaved([lambda: run(False), lambda: run(True)], min_time, rounds)
+        finally:
+            ext.set_q8_activations(False)
+        out.append(dict(type=qtype, n=n, k=k, rows=m, exact_gbs=nbytes / exact / 1e9, q8_gbs=nbytes / q8 / 1e9,
+                        ratio=exact / q8))
     return out
 
 
