@@ -63,7 +63,9 @@ constexpr int64_t kQ8MaxRows = 64;  // blocks.MAX_ROWS
 bool q8_serves(int type, int64_t M);
 void linear_q8(const Args& a, bool wide);
 // quantize_x: x rows [m0, m1) of a.x into xq (x_row_bytes each); rows_q8: y [M, N] for the W rows [n0, n1)
-// from xq. a caller that splits the rows over threads itself quantizes x once, then calls rows_q8 per part.
+// from xq. A caller that splits the rows over threads itself quantizes x once, then calls rows_q8 per
+// range; parts of one input whose types have the same x_type (Q4_K, Q5_K and Q6_K all take block_q8_K)
+// share that one quantized x.
 namespace avx512 {  // AVX-512 with VNNI (256-bit vpdpbusd / vpdpwssd)
 void quantize_x(const Args& a, void* xq, int64_t m0, int64_t m1);
 void rows_q8(const Args& a, const void* xq, int64_t n0, int64_t n1);
