@@ -16,6 +16,19 @@ namespace kvstate::quant {
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 int block_weights(int type);  // 32 or 256; 0 for a type not served
+
+// The 6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K block `b` (get_scale_min_k4): its 12
+// bytes rearranged 32 bits at a time, as ggml's x86 kernels do: u[0..1] the 8 scales, u[2..3] the 8
+// mins, a byte each.
+inline void k4_scales_mins(const uint8_t* b, uint32_t u[4]) {
+  __builtin_memcpy(u, b + 4, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t m03 = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = m03;
+  u[0] &= k1;
+}
 int block_bytes(int type);
 
 struct Args {

@@ -111,20 +111,37 @@ inline const BlockQ8K* xk(const uint8_t* x, int64_t xrow, int r) {
 // broadcast int16 lane i (of each 128-bit half) to all lanes
 inline __m256i lane16(__m256i v, int i) { return _mm256_shuffle_epi8(v, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * i))); }
 
+// A Q4_K / Q5_K block's 8 scales as int16 (lanes 0-7) and its mins one per bsum (m0 m0 m1 m1 ..)
+struct KScales {
+  __m128i sc;
+  __m256i mins;
+};
+inline KScales k_scales(const uint8_t* b) {
+  uint32_t u[4];
+  k4_scales_mins(b, u);
+  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2));
+  return {_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))),
+          _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8))};
+}
+
+// acc += d * the block's integer sums s - dmin * (mins . bsums), for each x row
+template <int MT>
+inline void finish_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256i mins, const __m256i* s, __m256* acc) {
+  const float d = q8_f16(b), dmin = q8_f16(b + 2);
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) {
+    const BlockQ8K* y = xk(x, xrow, r);
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
+    const __m256i mb = _mm256_madd_epi16(mins, load(y->bsums));
+    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-y->d * dmin), _mm256_cvtepi32_ps(mb), acc[r]);
+  }
+}
+
 // Q4_K (FIVE: Q5_K): sum_j d*sc_j * (codes_j . x_j) - dmin*m_j * (the bsums of sub-block j), codes 0..15 (31)
 template <bool FIVE, int MT>
 inline void dot_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* acc) {
-  uint32_t u[4];  // the 6-bit scales and mins (get_scale_min_k4), rearranged as ggml's x86 kernels do
-  __builtin_memcpy(u, b + 4, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t m03 = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = m03;
-  u[0] &= k1;
-  const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
-  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2));
-  const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // m0 m0 m1 m1 ..: one per bsum
+  const KScales k = k_scales(b);
+  const __m256i sc = _mm256_broadcastsi128_si256(k.sc);
   const uint8_t* qs = b + (FIVE ? 48 : 16);
   [[maybe_unused]] const __m256i qh = load(b + 16);
   const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -146,14 +163,7 @@ inline void dot_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* acc
       s[r] = Q8Isa::dot_scaled(s[r], _mm256_maddubs_epi16(hi, load(xq + 32)), shi);
     }
   }
-  const float d = q8_f16(b), dmin = q8_f16(b + 2);
-#pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) {
-    const BlockQ8K* y = xk(x, xrow, r);
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
-    const __m256i mb = _mm256_madd_epi16(mins, load(y->bsums));
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-y->d * dmin), _mm256_cvtepi32_ps(mb), acc[r]);
-  }
+  finish_qk<MT>(b, x, xrow, k.mins, s, acc);
 }
 
 // Q6_K: d * sum_j sc_j * ((codes_j - 32) . x_j), the -32 through the bsums: codes 0..63 for maddubs

@@ -20,17 +20,8 @@ inline __m256i fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(
 
 template <bool FIVE, int MT>
 inline void wide_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* acc) {
-  uint32_t u[4];  // the 6-bit scales and mins, as dot_qk unpacks them
-  __builtin_memcpy(u, b + 4, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t m03 = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = m03;
-  u[0] &= k1;
-  const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
-  const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2));
-  const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+  const KScales k = k_scales(b);
+  const __m512i sc = _mm512_castsi128_si512(k.sc);
   const uint8_t* qs = b + (FIVE ? 48 : 16);
   [[maybe_unused]] const __m512i qh = bcast256(b + 16);
   const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -48,14 +39,9 @@ inline void wide_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* ac
     for (int r = 0; r < MT; ++r)
       s[r] = _mm512_dpwssd_epi32(s[r], _mm512_maddubs_epi16(q, load512(xk(x, xrow, r)->qs + 64 * c)), scl);
   }
-  const float d = q8_f16(b), dmin = q8_f16(b + 2);
-#pragma GCC unroll 8
-  for (int r = 0; r < MT; ++r) {
-    const BlockQ8K* y = xk(x, xrow, r);
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * d), _mm256_cvtepi32_ps(fold(s[r])), acc[r]);
-    const __m256i mb = _mm256_madd_epi16(mins, load(y->bsums));
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-y->d * dmin), _mm256_cvtepi32_ps(mb), acc[r]);
-  }
+  __m256i folded[MT];
+  for (int r = 0; r < MT; ++r) folded[r] = fold(s[r]);
+  finish_qk<MT>(b, x, xrow, k.mins, folded, acc);
 }
 
 template <int MT>
