@@ -4,7 +4,7 @@ integer kernels (`activation_dtype="q8"`), per block type, in one process on the
 Each shape is held in enough copies (`--mib` of blocks in all) that every call streams its weights
 from memory, not from cache; one timed call multiplies x [M, K] with every copy. Printed per type,
 shape and M: GB/s of blocks streamed by each mode, their share of the measured read bandwidth (a
-`sum` over 1 GiB) and q8 / exact, from alternating rounds (noisy machines: read the ratios).
+`sum` over 4x `--mib`) and q8 / exact, from alternating rounds (noisy machines: read the ratios).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _shape(qtype: str, n: int, k: int, rows: list[int], mib: int, rounds: int, m
     import torch
 
     from kvstate.bench.linear import interleaved
-    from kvstate.kernels import _ext
+    from kvstate.kernels import extension
     from kvstate.kernels.ggml_blocks import TYPES
 
-    ext = _ext.load()
+    ext = extension()
     one = random_blocks(qtype, n, k, seed=n + k)
     copies = [one] + [one.clone() for _ in range(max(0, mib * 2**20 // one.nbytes - 1))]
     nbytes = one.nbytes * len(copies)
@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from kvstate.bench.linear import read_bandwidth
-    from kvstate.kernels import _ext
+    from kvstate.kernels import extension, info
 
-    if _ext.load() is None or not hasattr(_ext.load(), "set_q8_activations"):
-        print(f"the compiled kernels are missing: {_ext.unavailable_reason()}")
+    ext = extension()
+    if ext is None or not hasattr(ext, "set_q8_activations"):
+        print(f"the compiled kernels are missing: {info()['reason']}")
         return 2
     from kvstate.kernels.ggml_blocks import TYPES
 
@@ -88,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--types: {', '.join(bad)} not served (expected some of {', '.join(sorted(TYPES))})")
         return 2
     rows = [int(r) for r in args.rows.split(",")]
-    bw = read_bandwidth(1024)
+    bw = read_bandwidth(4 * args.mib)
     results = measure(types, rows, args.mib, args.rounds, args.min_time)
     if args.json:
         print(json.dumps(dict(read_gbs=bw / 1e9, results=results), indent=2))
         return 0
     import torch
 
-    isa = "AVX-512 VNNI" if _ext.load().quant_q8_has_vnni() else "AVX2"
+    isa = "AVX-512 VNNI" if ext.quant_q8_has_vnni() else "AVX2"
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; q8 kernels: {isa}")
     print(f"{'type':<6}{'N x K':>12}{'M':>4}{'exact GB/s':>12}{'q8 GB/s':>10}{'exact bw':>10}{'q8 bw':>8}"
           f"{'q8/exact':>10}")

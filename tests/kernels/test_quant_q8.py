@@ -7,6 +7,7 @@ ggml_vec_dot_*_q8_* on the same bytes, and the mode switch (which calls run whic
 from __future__ import annotations
 
 import ctypes
+import json
 
 import numpy as np
 import pytest
@@ -180,3 +181,15 @@ def test_without_the_kernels_q8_is_one_line(monkeypatch):
 def test_x_types_are_ggmls_vec_dot_types():
     assert X_TYPE == {"Q8_0": "Q8_0", "Q4_0": "Q8_0", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K] == (256, 292)
+
+
+def test_the_benchmark_runs(capsys):
+    from kvstate.bench.quant_q8 import main
+
+    extension()
+    argv = ["--types", "q4_k", "--rows", "1,2", "--mib", "1", "--rounds", "1", "--min-time", "0.01", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["type"], r["rows"]) for r in out["results"]] == [("Q4_K", 1), ("Q4_K", 2)] * 2
+    assert all(r["q8_gbs"] > 0 and r["exact_gbs"] > 0 for r in out["results"])
+    assert main(["--types", "q3_k"]) == 2
