@@ -76,6 +76,18 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
+def block_parts_linear(x: torch.Tensor, raws: list[torch.Tensor], qtypes: tuple[str, ...]) -> torch.Tensor:
+    """torch.cat([block_linear(x, raw, None, qtype) ...], -1): several block matrices of one input, each
+    of its own type, as one compiled call where the kernel serves x (decode), else one by one."""
+    k = raws[0].shape[1] // TYPES[qtypes[0]].nbytes * TYPES[qtypes[0]].block
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    isa = _isa(x2)
+    if isa is None or not hasattr(_ext.load(), "quant_linear_parts"):
+        return torch.cat([block_linear(x, raw, None, q) for raw, q in zip(raws, qtypes)], -1)
+    y = _ext.load().quant_linear_parts(x2, raws, [TYPES[q].type_id for q in qtypes], isa)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
 def _dequantizer(x2: torch.Tensor):
     """The compiled dequantizer (the same weights, one call per tile) where the kernels run, else torch's."""
     ext = _ext.load() if choice() != "torch" and x2.is_cpu else None
