@@ -89,6 +89,8 @@ def fuse(*linears: nn.Linear) -> FusedGroup | None:
     """Fuse linears of one input (same K, weight dtype and device, biases and scales all or none; GGML
     blocks of one type, or of several bias-free (`BlockParts`)); None if they differ."""
     first = linears[0]
+    if any(getattr(m, "input_perm", None) is not None for m in linears):  # each reads x in its own order
+        return None
     if any(_format(m) != _format(first) for m in linears):
         if any(_format(m) is None or m.bias is not None for m in linears):
             return None

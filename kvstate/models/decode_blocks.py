@@ -201,7 +201,7 @@ def _plain(ext, linear):
         return None
     w = linear.weight
     if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2:
-        return ext.Weight(w, linear.weight_scale, _type_id(linear.weight_format))
+        return ext.Weight(w, linear.weight_scale, _type_id(linear.weight_format), linear.input_perm)
     return None
 
 
