@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvstate.kernels.blocks import block_linear
+from kvstate.kernels.blocks import block_linear, block_rows
 from kvstate.kernels.dispatch import linear
 
 
@@ -20,6 +20,9 @@ class Linear(nn.Linear):
     """nn.Linear with `weight_dtype` (float32 or bfloat16) for the weight; bias and math in `dtype`."""
 
     weight_format: str | None = None  # a GGML block type ("Q4_K", ...) when the weight holds blocks
+    # blocks whose columns are in another order than x's (a GGUF's reordered value heads, narrower than
+    # a block): the forward reads x[..., input_perm] (int64 [K])
+    input_perm: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  weight_dtype: torch.dtype | None = None):
@@ -30,6 +33,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_format is not None:
+            if self.input_perm is not None:
+                x = x.index_select(-1, self.input_perm)
             return block_linear(x, self.weight, self.bias, self.weight_format)
         return linear(x, self.weight, self.bias, self.weight_scale)
 
@@ -50,3 +55,16 @@ class Linear(nn.Linear):
     def extra_repr(self) -> str:
         scaled = ", per-row scales" if self.weight_scale is not None else ""
         return f"{super().extra_repr()}, weight_dtype={self.weight_format or self.weight.dtype}{scaled}"
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be GGML blocks (a GGUF's token_embd kept as the file holds it:
+    uint8 [vocab, bytes per row], `weight_format` its type): a lookup dequantizes only the rows it
+    reads, exactly (fp32). A tied LM head holds the same blocks and multiplies by them."""
+
+    weight_format: str | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_format is None:
+            return super().forward(ids)
+        return block_rows(self.weight, ids, self.weight_format).reshape(*ids.shape, -1)
