@@ -1,7 +1,7 @@
 """`activation_dtype="q8"` through the engine on a Q4_K_M file llama.cpp's own tools wrote (Q4_K, Q6_K
-and Q8_0 blocks): every block linear of the model gives what the plain integer arithmetic
-(`kernels.ggml_q8`) gives on its input, the logits stay near the exact mode's on the same weights, and
-the integer kernels run in the prefill and in the compiled decode steps."""
+and Q8_0 blocks): every block linear of the model, fused groups of mixed types too, gives what the
+plain integer arithmetic (`kernels.ggml_q8`) gives on its input, the logits stay near the exact mode's
+on the same weights, and the integer kernels run in the prefill and in the compiled decode steps."""
 
 import pytest
 import torch
@@ -26,17 +26,17 @@ def test_q8_mode_on_a_q4_k_m_file(q4_k_m, monkeypatch):
     from kvstate import LLM, SamplingParams
 
     ext = extension()
-    seen = {}
 
-    def checked(x, raw, bias, qtype):  # each call against the reference on the same input
-        y = block_linear(x, raw, bias, qtype)
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        ref = torch.from_numpy(linear_q8(x2.numpy(), raw, qtype)) + (0 if bias is None else bias.double())
-        assert float((y.reshape(ref.shape).double() - ref).norm() / ref.norm()) <= 1e-5, qtype
-        seen[qtype] = seen.get(qtype, 0) + 1
+    def check(x, y, raws, qtypes, bias=None):  # a call against the reference on the same input
+        x2 = x.reshape(-1, x.shape[-1]).float().numpy()
+        ref = torch.cat([torch.from_numpy(linear_q8(x2, raw, q)) for raw, q in zip(raws, qtypes)], -1)
+        ref += 0 if bias is None else bias.double()
+        assert float((y.reshape(ref.shape).double() - ref).norm() / ref.norm()) <= 1e-5, qtypes
+        calls.append(qtypes)
         return y
 
-    block_linear = linear_module.block_linear
+    calls = []
+    block_linear, parts_linear = linear_module.block_linear, fused.block_parts_linear
     try:
         llm = LLM(q4_k_m, activation_dtype="q8", cache_memory="16MiB")
         assert activation.activation_dtype() == "q8"
@@ -46,12 +46,17 @@ def test_q8_mode_on_a_q4_k_m_file(q4_k_m, monkeypatch):
             ours = forward_logits(llm.model, ids)[0].double()
             prefill = sum(ext.quant_q8_calls()) - before
             with monkeypatch.context() as patch:
-                patch.setattr(linear_module, "block_linear", checked)
-                patch.setattr(fused, "block_linear", checked)
+                patch.setattr(linear_module, "block_linear",
+                              lambda x, raw, b, q: check(x, block_linear(x, raw, b, q), [raw], (q,), b))
+                patch.setattr(fused, "block_linear",
+                              lambda x, raw, b, q: check(x, block_linear(x, raw, b, q), [raw], (q,), b))
+                patch.setattr(fused, "block_parts_linear",
+                              lambda x, raws, qs: check(x, parts_linear(x, raws, qs), raws, qs))
                 forward_logits(llm.model, ids)
             activation.set_activation_dtype("fp32")
             exact = forward_logits(llm.model, ids)[0].double()
-        assert {"Q4_K", "Q6_K", "Q8_0"} <= set(seen) and prefill == sum(seen.values())
+        assert {"Q4_K", "Q6_K", "Q8_0"} <= {q for qs in calls for q in qs} and prefill == len(calls)
+        assert any(len(set(qs)) > 1 for qs in calls)  # a fused group of mixed types (quant_linear_parts)
         # each linear moves ~0.7% (tests/kernels); this tiny random model compounds it to ~10%
         rel = float((ours - exact).norm() / exact.norm())
         assert 0.001 < rel < 0.2, rel

@@ -193,3 +193,19 @@ def test_the_benchmark_runs(capsys):
     assert [(r["type"], r["rows"]) for r in out["results"]] == [("Q4_K", 1), ("Q4_K", 2)] * 2
     assert all(r["q8_gbs"] > 0 and r["exact_gbs"] > 0 for r in out["results"])
     assert main(["--types", "q3_k"]) == 2
+
+
+def test_mixed_parts_of_one_input_run_q8_each_as_alone(q8):
+    """quant_linear_parts (a Q4_K_M layer's q/k/v: Q4_K beside Q6_K; here Q8_0 too): each part's columns
+    are what the reference gives it, from x quantized once per x type; one q8 call, no exact one."""
+    parts = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 9), ("Q4_K", 3)]
+    raws = [torch.from_numpy(random_blocks(q, n, 1024 // TYPES[q].block, seed=i)) for i, (q, n) in enumerate(parts)]
+    types = [TYPES[q].type_id for q, _ in parts]
+    for m in (1, 5):
+        x = awkward_x(m, 1024, seed=m)
+        for isa in isas(q8):
+            before, exact = q8.quant_q8_calls(), sum(q8.quant_calls())
+            y = q8.quant_linear_parts(x, raws, types, isa).double().numpy()
+            assert sum(q8.quant_q8_calls()) == sum(before) + 1 and sum(q8.quant_calls()) == exact
+            ref = np.concatenate([linear_q8(x.numpy(), raw, q) for raw, (q, _) in zip(raws, parts)], axis=1)
+            assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 1e-5, (m, isa)

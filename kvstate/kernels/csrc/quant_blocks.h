@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 namespace pybind11 {
 class module_;
@@ -75,6 +76,17 @@ int64_t x_row_bytes(int type, int64_t K);
 constexpr int64_t kQ8MaxRows = 64;  // blocks.MAX_ROWS
 bool q8_serves(int type, int64_t M);
 void linear_q8(const Args& a, bool wide);
+// For a caller with several weight parts of one input (quant_linear_parts): x quantized once for each x
+// type among the parts' `types` (x: a's x, M, K), then each part's row ranges through rows_q8_on. `vnni`
+// is q8_vnni(wide): whether the AVX-512 VNNI kernels run (else the AVX2 ones); count_q8 records a call.
+struct XQ8 {
+  std::unique_ptr<uint8_t[]> q8_0, q8_k;
+  const void* of(int type) const { return x_type(type) == kXQ8_0 ? q8_0.get() : q8_k.get(); }
+};
+bool q8_vnni(bool wide);
+void count_q8(bool vnni);
+XQ8 quantize_x_for(const Args& a, const int64_t* types, int64_t parts, bool vnni);
+void rows_q8_on(const Args& a, const void* xq, int64_t n0, int64_t n1, bool vnni);
 // quantize_x: x rows [m0, m1) of a.x into xq (x_row_bytes each); rows_q8: y [M, N] for the W rows [n0, n1)
 // from xq. A caller that splits the rows over threads itself quantizes x once, then calls rows_q8 per
 // range; parts of one input whose types have the same x_type (Q4_K, Q5_K and Q6_K all take block_q8_K)

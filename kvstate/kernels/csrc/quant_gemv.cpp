@@ -121,8 +121,16 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
   const bool wide = wide_isa(isa_in);
   auto y = at::empty({M, col[P]}, x.options());
   if (M == 0 || col[P] == 0) return y;
-  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  // the opt-in llama.cpp arithmetic (quant_q8.cpp) where it serves every part: x quantized once
+  const bool q8 = std::all_of(types.begin(), types.end(), [&](int64_t t) { return q8_serves(int(t), M); });
+  const bool vnni = q8_vnni(wide);
+  if (q8)
+    count_q8(vnni);
+  else
+    calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   pybind11::gil_scoped_release no_gil;
+  const Args whole{x.data_ptr<float>(), M, K, nullptr, 0, 0, nullptr, nullptr, 0};
+  const XQ8 xq = q8 ? quantize_x_for(whole, types.data(), P, vnni) : XQ8{};
   at::parallel_for(0, byte[P], 64 << 10, [&](int64_t b0, int64_t b1) {
     for (int64_t p = 0; p < P; ++p) {  // the rows of part p whose first byte lies in [b0, b1)
       const int64_t rb = ws[p].size(1);
@@ -131,7 +139,9 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
       if (n0 >= n1) continue;
       const Args args{x.data_ptr<float>(), M, K, ws[p].data_ptr<uint8_t>(), rb, int(types[p]), nullptr,
                       y.data_ptr<float>() + col[p], col[P]};
-      if (wide)
+      if (q8)
+        rows_q8_on(args, xq.of(args.type), n0, n1, vnni);
+      else if (wide)
         avx512::rows(args, n0, n1);
       else
         avx2::rows(args, n0, n1);

@@ -69,25 +69,45 @@ bool q8_serves(int type, int64_t M) {
   return q8_on.load(std::memory_order_relaxed) && M <= kQ8MaxRows && x_type(type) != 0;
 }
 
-void linear_q8(const Args& a, bool wide_in) {
-  const bool wide = wide_in && has_vnni();
-  q8_calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
-  const int64_t xrow = x_row_bytes(a.type, a.K);
-  std::unique_ptr<uint8_t[]> xq(new uint8_t[std::max<int64_t>(1, a.M * xrow)]);
-  at::parallel_for(0, a.M, std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, a.K)), [&](int64_t m0, int64_t m1) {
-    if (wide)
-      avx512::quantize_x(a, xq.get(), m0, m1);
-    else
-      avx2::quantize_x(a, xq.get(), m0, m1);
-  });
+bool q8_vnni(bool wide) { return wide && has_vnni(); }
+
+void count_q8(bool vnni) { q8_calls[vnni ? 0 : 1].fetch_add(1, std::memory_order_relaxed); }
+
+XQ8 quantize_x_for(const Args& a, const int64_t* types, int64_t parts, bool vnni) {
+  XQ8 xq;
+  for (int64_t p = 0; p < parts; ++p) {
+    auto& buf = x_type(int(types[p])) == kXQ8_0 ? xq.q8_0 : xq.q8_k;
+    if (buf) continue;
+    Args b = a;
+    b.type = int(types[p]);
+    const int64_t xrow = x_row_bytes(b.type, b.K);
+    buf.reset(new uint8_t[std::max<int64_t>(1, b.M * xrow)]);
+    uint8_t* out = buf.get();
+    at::parallel_for(0, b.M, std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, b.K)), [&](int64_t m0, int64_t m1) {
+      if (vnni)
+        avx512::quantize_x(b, out, m0, m1);
+      else
+        avx2::quantize_x(b, out, m0, m1);
+    });
+  }
+  return xq;
+}
+
+void rows_q8_on(const Args& a, const void* xq, int64_t n0, int64_t n1, bool vnni) {
+  if (vnni)
+    avx512::rows_q8(a, xq, n0, n1);
+  else
+    avx2::rows_q8(a, xq, n0, n1);
+}
+
+void linear_q8(const Args& a, bool wide) {
+  const bool vnni = q8_vnni(wide);
+  count_q8(vnni);
+  const int64_t type = a.type;
+  const XQ8 xq = quantize_x_for(a, &type, 1, vnni);
   // a thread gets at least ~64 KiB of blocks, as in the exact kernel
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, a.row_bytes));
-  at::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) {
-    if (wide)
-      avx512::rows_q8(a, xq.get(), n0, n1);
-    else
-      avx2::rows_q8(a, xq.get(), n0, n1);
-  });
+  at::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) { rows_q8_on(a, xq.of(a.type), n0, n1, vnni); });
 }
 
 }  // namespace kvstate::quant
