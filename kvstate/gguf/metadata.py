@@ -13,27 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KvstateError
-
-
-def open_reader(path: str | os.PathLike):
-    """A gguf.GGUFReader on `path` (memory-mapped); a file it cannot parse is one KvstateError."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except FileNotFoundError:
-        raise KvstateError(f"{path}: no such file") from None
-    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on a bad or truncated file
-        text = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-        raise KvstateError(f"{path}: not a readable GGUF file ({text})") from None
-    reader.source = Path(path)  # for messages: the reader keeps no name of its file
-    return reader
-
-
-def field(reader, key: str, default: Any = None) -> Any:
-    """A metadata value as Python (str, int, float, bool or list), or `default` when absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+from kvstate.gguf.fields import field, has_tensor, open_reader
+from kvstate.gguf.hybrid_configs import falcon_h1, granitehybrid, lfm2
 
 
 def _qwen35(reader, arch: str) -> dict[str, Any]:
@@ -63,7 +44,7 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
         rope_parameters=dict(rope_type="default", rope_theta=get("rope.freq_base"),
                              partial_rotary_factor=get("rope.dimension_count") / head_dim),
-        hidden_act="silu", attention_bias=False, tie_word_embeddings=not _has_tensor(reader, "output.weight"),
+        hidden_act="silu", attention_bias=False, tie_word_embeddings=not has_tensor(reader, "output.weight"),
     )
     if arch == "qwen35":
         cfg["intermediate_size"] = get("feed_forward_length")
@@ -89,9 +70,9 @@ def _mamba2(reader, arch: str) -> dict[str, Any]:
                 state_size=get("ssm.state_size"), expand=inner // hidden, n_groups=get("ssm.group_count"),
                 num_heads=heads, head_dim=inner // heads, conv_kernel=get("ssm.conv_kernel"),
                 layer_norm_epsilon=get("attention.layer_norm_rms_epsilon"),
-                use_conv_bias=_has_tensor(reader, "blk.0.ssm_conv1d.bias"),
-                use_bias=_has_tensor(reader, "blk.0.ssm_in.bias"),
-                tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+                use_conv_bias=has_tensor(reader, "blk.0.ssm_conv1d.bias"),
+                use_bias=has_tensor(reader, "blk.0.ssm_in.bias"),
+                tie_word_embeddings=not has_tensor(reader, "output.weight"))
 
 
 def _nemotron_h(reader, arch: str) -> dict[str, Any]:
@@ -128,7 +109,7 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
                mamba_num_heads=heads, mamba_head_dim=inner // heads, ssm_state_size=get("ssm.state_size"),
                n_groups=get("ssm.group_count"), conv_kernel=get("ssm.conv_kernel"), layer_norm_epsilon=eps,
                max_position_embeddings=get("context_length"),
-               tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+               tie_word_embeddings=not has_tensor(reader, "output.weight"))
     if "M" in first:
         cfg.update(use_conv_bias=f"blk.{first['M']}.ssm_conv1d.bias" in names,
                    use_bias=f"blk.{first['M']}.ssm_in.bias" in names)
@@ -142,12 +123,9 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
 
 # GGUF architecture -> its config reader
 ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2,
-                 "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h}
+                 "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h, "lfm2": lfm2, "falcon-h1": falcon_h1,
+                 "granitehybrid": granitehybrid}
 MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
-
-
-def _has_tensor(reader, name: str) -> bool:
-    return any(t.name == name for t in reader.tensors)
 
 
 def vocab_size(reader) -> int:

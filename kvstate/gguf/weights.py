@@ -8,7 +8,9 @@ more value heads than key heads, reorders the value heads from grouped-by-key-he
 a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
-way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
+way, A and D as [heads, 1] and the gated norm as [groups, inner / groups] (Falcon-H1's too, its muP
+multipliers folded into the weights, which the config read back leaves at 1); Nemotron-H's also permutes
+q and k rows. LFM2's only squeezes its conv weight. Names: `kvstate.gguf.names`.
 F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
 (`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
 the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
@@ -17,7 +19,6 @@ quantized tensor is dequantized with gguf's own `dequantize` to bfloat16.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,69 +28,10 @@ import torch
 
 from kvstate.errors import KvstateError
 from kvstate.gguf.metadata import check_tensor_types, open_reader
+from kvstate.gguf.names import MAMBA_ARCHS, hf_name
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANT_ROWS = 4096
-
-# blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # qwen3next: still fused, as in its checkpoint
-    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-# the experts, merged into one [experts, out, in] tensor each: -> mlp.experts.{e}.<name>
-_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
-            "ffn_down_exps.weight": "down_proj.weight"}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_norm.weight": "model.norm.weight"}
-# Mamba-2 (conversion/mamba.py): the checkpoint's backbone.* names
-_MAMBA2_LAYER = {
-    "attn_norm.weight": "norm.weight", "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_in.weight": "mixer.in_proj.weight", "ssm_in.bias": "mixer.in_proj.bias",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight", "ssm_out.bias": "mixer.out_proj.bias",
-}
-_MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
-                  "output_norm.weight": "backbone.norm_f.weight"}
-# Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
-_NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
-    ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
-    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in ("weight", "bias")}}
-# architecture -> (global names, per-layer names, layer prefix)
-_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers"),
-          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers"),
-          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers")}
-_MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe")
-_QWEN = (_GLOBAL, _LAYER, "model.layers")
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(name: str, arch: str = "qwen35") -> str | None:
-    """The checkpoint name of a GGUF tensor name, or None for a name this architecture does not have."""
-    glob, layer, prefix = _NAMES.get(arch, _QWEN)
-    if name in glob:
-        return glob[name]
-    m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in layer:
-        return f"{prefix}.{m.group(1)}.{layer[m.group(2)]}"
-    if m and layer is _LAYER and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
-        return f"{prefix}.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
-    return None
-
 
 def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_dim: int) -> torch.Tensor:
     """Inverse of the converter's `_reorder_v_heads`: [per_k, k_heads, head_dim] back to [k_heads, per_k, head_dim]."""
@@ -135,13 +77,16 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
     rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
+    arch = cfg["gguf_architecture"]
+    if arch == "lfm2":  # only the conv weight squeezed, which the loader takes as it is
+        return t
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    if cfg["gguf_architecture"] in _MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
-        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+    if arch in MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        if arch != "falcon-h1" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
             return _unpermute(t, heads)
-        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
+        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight", "mamba.norm.weight")) else t
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
