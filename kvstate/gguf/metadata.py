@@ -167,6 +167,16 @@ def check_tensor_types(reader) -> None:
                                f"cannot read (supported: F32, F16, BF16 and the types gguf dequantizes)")
 
 
+def matrix_dtype_name(reader, kept: frozenset[str] = frozenset()) -> str:
+    """"bfloat16" when the file's matrices are mostly 16-bit or quantized (the loader holds them so), else
+    "float32"; the matrices named in `kept` (held as blocks) do not count."""
+    sizes = {"bfloat16": 0, "float32": 0}
+    for t in reader.tensors:
+        if len(t.shape) >= 2 and t.name not in kept:
+            sizes["float32" if t.tensor_type.name == "F32" else "bfloat16"] += int(t.n_elements)
+    return "bfloat16" if sizes["bfloat16"] > sizes["float32"] else "float32"
+
+
 def config_of(reader) -> dict[str, Any]:
     """The HF config dict of an open reader (its tensor types checked: a file kvstate cannot run is refused
     before any plan is made of it)."""
@@ -176,6 +186,7 @@ def config_of(reader) -> dict[str, Any]:
     cfg["vocab_size"] = vocab_size(reader)
     cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem
     cfg["gguf_architecture"] = arch
+    cfg["dtype"] = matrix_dtype_name(reader)  # the model's dtype, as a checkpoint's config says it: the KV default
     for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
         if (value := field(reader, key)) is not None:
             cfg[hf] = value

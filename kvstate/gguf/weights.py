@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvstate.errors import KvstateError
-from kvstate.gguf.metadata import check_tensor_types, open_reader
+from kvstate.gguf.metadata import check_tensor_types, matrix_dtype_name, open_reader
 from kvstate.gguf.names import MAMBA_ARCHS, hf_name
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -143,11 +143,7 @@ def reader_of(source):
 def matrix_dtype(source, kept: frozenset[str] = frozenset()) -> torch.dtype:
     """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32;
     the matrices named in `kept` (held as blocks) do not count. `source`: a path or an open reader."""
-    sizes = {"bf16": 0, "fp32": 0}
-    for t in reader_of(source).tensors:
-        if len(t.shape) >= 2 and t.name not in kept:
-            sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
-    return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
+    return torch.float32 if matrix_dtype_name(reader_of(source), kept) == "float32" else torch.bfloat16
 
 
 def tensor_types(source, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
