@@ -1,4 +1,4 @@
-"""GGUF metadata back to config.json for LFM2, Falcon-H1 and Granite 4.0 hybrid (torch-free).
+"""GGUF metadata back to config.json for LFM2, Falcon-H1, Jamba and Granite 4.0 hybrid (torch-free).
 
 What the converter leaves out of the metadata is read from the tensors: which blocks are attention
 (the attn_q tensor), the biases (a `.bias` tensor) and the tied head (no `output.weight`).
@@ -6,6 +6,8 @@ What the converter leaves out of the metadata is read from the tensors: which bl
   already the auto-adjusted one.
 - falcon-h1 (conversion/falcon_h1.py): the muP multipliers are multiplied into the weights, so the
   config has none (every multiplier 1); llama.cpp gates the Mamba output before its optional norm.
+- jamba (conversion/jamba.py): which layers are attention and which MoE is written per layer only (the
+  attn_q and ffn_gate_exps tensors); the config's period and offset are read back from those.
 - granitehybrid (conversion/granite.py: GraniteHybridModel): the granite scales are keys; RoPE only when
   `rope.scaling.finetuned` (the converter's "use_rope"); per-layer `head_count_kv` is not to be trusted
   (a transformers 5 config spells the layer types so that the converter finds no attention layer).
@@ -113,3 +115,41 @@ def granitehybrid(reader, arch: str) -> dict[str, Any]:
         if (value := field(reader, f"{arch}.{key}")) is not None:
             cfg[hf] = value
     return cfg
+
+
+def _period(reader, what: str, layers: list[int], n: int) -> tuple[int, int]:
+    """(period, offset) with layer i chosen iff i % period == offset, for the chosen `layers` of `n`."""
+    if not layers:
+        return n + 1, n  # none chosen
+    period = layers[1] - layers[0] if len(layers) > 1 else n
+    offset = layers[0]
+    if offset >= period or [i for i in range(n) if i % period == offset] != layers:
+        raise KvstateError(f"{reader.source}: the {what} layers {layers} are not every k-th layer from an offset "
+                           "below k (as Jamba's config says them)")
+    return period, offset
+
+
+def jamba(reader, arch: str) -> dict[str, Any]:
+    def get(key, default=None):
+        return arch_field(reader, arch, key, default)
+
+    layers, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    inner = get("ssm.inner_size")
+    attn = _attention_layers(reader, layers)
+    names = tensor_names(reader)
+    attn_period, attn_offset = _period(reader, "attention", [i for i, a in enumerate(attn) if a], layers)
+    moe = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in names]
+    exp_period, exp_offset = _period(reader, "MoE", moe, layers)
+    mamba = _first(attn, False)
+    return dict(model_type="jamba", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=_kv_heads(reader, arch, attn, hidden // heads),
+                attn_layer_period=attn_period, attn_layer_offset=attn_offset,
+                expert_layer_period=exp_period, expert_layer_offset=exp_offset,
+                num_experts=get("expert_count") if moe else 1, num_experts_per_tok=get("expert_used_count", 1),
+                intermediate_size=get("feed_forward_length"), mamba_expand=inner // hidden,
+                mamba_d_state=get("ssm.state_size"), mamba_d_conv=get("ssm.conv_kernel"),
+                mamba_dt_rank=get("ssm.time_step_rank"),
+                mamba_conv_bias=mamba is not None and f"blk.{mamba}.ssm_conv1d.bias" in names,
+                mamba_proj_bias=mamba is not None and f"blk.{mamba}.ssm_in.bias" in names,
+                rms_norm_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length"),
+                hidden_act="silu", tie_word_embeddings=not has_tensor(reader, "output.weight"))

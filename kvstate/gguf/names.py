@@ -70,27 +70,44 @@ _FALCON_H1_LAYER = {
 }
 _FALCON_H1_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                      "output_norm.weight": "model.final_layernorm.weight"}
-# architecture -> (global names, per-layer names, layer prefix)
-_NAMES = {"lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers"),
-          "falcon-h1": (_FALCON_H1_GLOBAL, _FALCON_H1_LAYER, "model.layers"),
-          "mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers"),
-          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers"),
-          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers")}
+# Jamba (conversion/jamba.py): Mamba-1 with its dt/B/C norms; A = -exp(A_log) kept [inner, state]
+_JAMBA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ffn_gate_inp.weight": "feed_forward.router.weight",
+    **{f"{g}.weight": f"{h}.weight" for g, h in (
+        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"), ("ssm_x", "mamba.x_proj"), ("ssm_dt_norm", "mamba.dt_layernorm"),
+        ("ssm_b_norm", "mamba.b_layernorm"), ("ssm_c_norm", "mamba.c_layernorm"),
+        ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"),
+        ("ffn_down", "feed_forward.down_proj"))},
+    **{f"{g}.{kind}": f"{h}.{kind}" for g, h in (
+        ("ssm_in", "mamba.in_proj"), ("ssm_out", "mamba.out_proj"), ("ssm_conv1d", "mamba.conv1d"),
+        ("ssm_dt", "mamba.dt_proj")) for kind in _WB},
+}
+_JAMBA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                 "output_norm.weight": "model.final_layernorm.weight"}
+# architecture -> (global names, per-layer names, layer prefix, where a layer keeps its experts)
+_NAMES = {"lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers", None),
+          "falcon-h1": (_FALCON_H1_GLOBAL, _FALCON_H1_LAYER, "model.layers", None),
+          "jamba": (_JAMBA_GLOBAL, _JAMBA_LAYER, "model.layers", "feed_forward.experts"),
+          "mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers", None),
+          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None),
+          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None)}
 # the architectures whose converter writes Mamba-2 as conversion/mamba.py does (A, D as [heads, 1], the
 # gated norm [groups, inner / groups]) and permutes no q/k rows for a Qwen-style layout
 MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe", "falcon-h1")
-_QWEN = (_GLOBAL, _LAYER, "model.layers")
+_QWEN = (_GLOBAL, _LAYER, "model.layers", "mlp.experts")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def hf_name(name: str, arch: str = "qwen35") -> str | None:
     """The checkpoint name of a GGUF tensor name, or None for a name this architecture does not have."""
-    glob, layer, prefix = _NAMES.get(arch, _QWEN)
+    glob, layer, prefix, experts = _NAMES.get(arch, _QWEN)
     if name in glob:
         return glob[name]
     m = _BLOCK.fullmatch(name)
     if m and m.group(2) in layer:
         return f"{prefix}.{m.group(1)}.{layer[m.group(2)]}"
-    if m and layer is _LAYER and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
-        return f"{prefix}.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
+    if m and experts and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
+        return f"{prefix}.{m.group(1)}.{experts}.{{e}}.{_EXPERTS[m.group(2)]}"
     return None

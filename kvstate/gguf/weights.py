@@ -10,7 +10,8 @@ is inverted here, so the family adapter maps the result like the safetensors che
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
 way, A and D as [heads, 1] and the gated norm as [groups, inner / groups] (Falcon-H1's too, its muP
 multipliers folded into the weights, which the config read back leaves at 1); Nemotron-H's also permutes
-q and k rows. LFM2's only squeezes its conv weight. Names: `kvstate.gguf.names`.
+q and k rows. LFM2's and Jamba's only squeeze their conv weights (and Jamba's A as above, kept
+[inner, state]). Names: `kvstate.gguf.names`.
 F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
 (`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
 the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
@@ -78,10 +79,10 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str 
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
     rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
     arch = cfg["gguf_architecture"]
-    if arch == "lfm2":  # only the conv weight squeezed, which the loader takes as it is
-        return t
     if name.endswith("A_log"):
         t = torch.log(-t.float())
+    if arch in ("lfm2", "jamba"):  # else only the conv weight squeezed, which the loader takes as it is
+        return t
     if arch in MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
         if arch != "falcon-h1" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]

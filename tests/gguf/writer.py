@@ -1,15 +1,18 @@
 """GGUF files written in the tests as llama.cpp's converter writes them (conversion/lfm2.py, falcon_h1.py,
-granite.py, mamba.py), with gguf's own GGUFWriter, its `add_*` keys and its tensor name map, so no test
+granite.py, mamba.py, jamba.py), with gguf's own GGUFWriter, its `add_*` keys and its tensor name map, so no test
 depends on a llama.cpp source tree. Checked once by hand against the converter's own files of the same
 checkpoints (same keys, names, shapes and bytes).
 
 `write_gguf(ckpt, out)`: a transformers checkpoint folder (config.json, model.safetensors, a byte-level
-BPE tokenizer.json) -> the GGUF file, F32.
+BPE tokenizer.json; Jamba: a SentencePiece-style BPE one) -> the GGUF file, F32. (Jamba's converter was not
+run by hand: it asks for a tokenizer.model or a llama-style tokenizer.json; the keys, names and transforms
+here are read from conversion/jamba.py.)
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -121,8 +124,41 @@ def _granite_tensor(c: dict, name: str, t: torch.Tensor) -> list[tuple[str, torc
     return [(name, _mamba2_tensor(c, name, t, c["mamba_expand"] * c["hidden_size"]))]
 
 
+def _jamba_keys(w: GGUFWriter, c: dict) -> None:
+    """JambaModel.set_gguf_parameters: KV heads per layer, 0 but on attention layers."""
+    period, offset, n = c["attn_layer_period"], c["attn_layer_offset"], c["num_hidden_layers"]
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count_kv([c["num_key_value_heads"] if i >= offset and (i - offset) % period == 0 else 0
+                         for i in range(n)])
+    w.add_ssm_conv_kernel(c["mamba_d_conv"])
+    w.add_ssm_inner_size(c["mamba_expand"] * c["hidden_size"])
+    w.add_ssm_state_size(c["mamba_d_state"])
+    w.add_ssm_time_step_rank(c["mamba_dt_rank"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+
+
+def _jamba_tensors(c: dict, tensors: dict):
+    """JambaModel.modify_tensors: each MoE layer's experts stacked into one [experts, out, in] tensor per
+    projection (named as Qwen2-MoE's), conv squeezed, A = -exp(A_log)."""
+    experts: dict[tuple[str, str], list] = {}
+    for name, t in tensors.items():
+        if ".feed_forward.experts." in name:
+            _, _, bid, _, _, e, wid, _ = name.split(".")
+            experts.setdefault((bid, wid), [None] * c["num_experts"])[int(e)] = t
+            continue
+        if "conv1d.weight" in name:
+            t = t.squeeze()
+        yield name, -torch.exp(t) if name.endswith(".A_log") else t
+    for (bid, wid), parts in experts.items():
+        yield f"model.layers.{bid}.mlp.experts.{wid}.weight", torch.stack(parts)
+
+
 # model_type -> (GGUF architecture, its keys, its tensor transform)
-FAMILIES = {"lfm2": (MODEL_ARCH.LFM2, _lfm2_keys, _lfm2_tensor),
+FAMILIES = {"jamba": (MODEL_ARCH.JAMBA, _jamba_keys, None),
+            "lfm2": (MODEL_ARCH.LFM2, _lfm2_keys, _lfm2_tensor),
             "falcon_h1": (MODEL_ARCH.FALCON_H1, _falcon_h1_keys, _falcon_h1_tensor),
             "granitemoehybrid": (MODEL_ARCH.GRANITE_HYBRID, _granite_keys, _granite_tensor)}
 
@@ -146,30 +182,53 @@ def _tokenizer(w: GGUFWriter, ckpt: Path) -> None:
         w.add_chat_template(config.get("chat_template") or template.read_text(encoding="utf-8"))
 
 
+def _spm_tokenizer(w: GGUFWriter, ckpt: Path) -> None:
+    """A SentencePiece BPE tokenizer.json as the converter's `_set_vocab_sentencepiece` stores its pieces:
+    scores that rank the merges (a piece made by an earlier merge scores higher), token types (unknown,
+    control, byte <0xNN>, normal)."""
+    tok = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    kinds = [2 if t == tok["model"]["unk_token"] else 3 if t in special else
+             6 if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else 1 for t in tokens]
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) if k == 1 else 0.0 for i, k in enumerate(kinds)])
+    w.add_token_types(kinds)
+    w.add_unk_token_id(vocab[tok["model"]["unk_token"]])
+    config = json.loads((ckpt / "tokenizer_config.json").read_text(encoding="utf-8"))
+    w.add_bos_token_id(vocab[config["bos_token"]])
+    w.add_eos_token_id(vocab[config["eos_token"]])
+
+
 def write_gguf(ckpt: Path, out: Path) -> Path:
     c = json.loads((ckpt / "config.json").read_text())
     arch, keys, transform = FAMILIES[c["model_type"]]
     w = GGUFWriter(str(out), MODEL_ARCH_NAMES[arch])
     w.add_block_count(c["num_hidden_layers"])
-    if c["model_type"] != "granitemoehybrid":
-        w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_head_count(c["num_attention_heads"])
-    if c["model_type"] == "falcon_h1":
-        w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
-    w.add_vocab_size(c["vocab_size"])
+    if c["model_type"] != "jamba":
+        if c["model_type"] != "granitemoehybrid":
+            w.add_context_length(c["max_position_embeddings"])
+        if c["model_type"] == "falcon_h1":
+            w.add_head_count_kv(c["num_key_value_heads"])
+        w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+        w.add_vocab_size(c["vocab_size"])
     keys(w, c)
     if (ckpt / "tokenizer.json").is_file():
-        _tokenizer(w, ckpt)
+        (_spm_tokenizer if c["model_type"] == "jamba" else _tokenizer)(w, ckpt)
     names = get_tensor_name_map(arch, c["num_hidden_layers"])
-    for hf, t in load_file(str(ckpt / "model.safetensors")).items():
-        if hf.endswith(".dt_bias"):  # Mamba2Model.filter_tensors
-            hf = hf.removesuffix(".dt_bias") + ".dt_proj.bias"
-        for name, data in transform(c, hf, t.float()):
-            gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
-            assert gguf_name is not None, name
-            w.add_tensor(gguf_name, np.ascontiguousarray(data.numpy(), dtype=np.float32))
+    tensors = {k: t.float() for k, t in load_file(str(ckpt / "model.safetensors")).items()}
+    for name, data in (_jamba_tensors(c, tensors) if c["model_type"] == "jamba" else
+                       (out for hf, t in tensors.items() for out in transform(c, hf, t))):
+        if name.endswith(".dt_bias"):  # Mamba2Model.filter_tensors
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        w.add_tensor(gguf_name, np.ascontiguousarray(data.numpy(), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
