@@ -79,3 +79,21 @@ def test_sentencepiece_tokenizer_from_the_file_encodes_and_decodes_like_the_chec
     assert ours.encode("hi")[0] == theirs.encode("hi")[0] == 1  # BOS added, as llama.cpp's SentencePiece does
     assert any(i >= 3 and i < 259 for i in ours.encode("中")), "an unseen character falls back to byte tokens"
     assert ours.eos_token_ids == theirs.eos_token_ids
+
+
+def test_jamba_q8_0_file_gives_the_dequantized_models_logits(jamba, tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf.rewrite import rewrite
+
+    _, gguf = jamba
+    q8 = GGMLQuantizationType.Q8_0
+    # the routers stay F32, as llama-quantize leaves them
+    keep = {"token_embd.weight"} | {f"blk.{i}.ffn_gate_inp.weight" for i in range(6)}
+    quant = rewrite(gguf, tmp_path / "q8.gguf", qtype=q8, keep=keep)
+    ref = rewrite(gguf, tmp_path / "ref.gguf", qtype=q8, keep=keep, dequantized=True, rounded=())
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    assert {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)} == {"Q8_0"}
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
