@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 
+_QKV = {f"attn_{x}.weight": f"self_attn.{x}_proj.weight" for x in "qkv"}  # every family's but Nemotron-H's
 # blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
 _LAYER = {
+    **_QKV, "attn_output.weight": "self_attn.o_proj.weight",
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -39,16 +39,15 @@ _MAMBA2_LAYER = {
 }
 _MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
                   "output_norm.weight": "backbone.norm_f.weight"}
+_WB = ("weight", "bias")
 # Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
 _NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
     ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
-    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in ("weight", "bias")}}
-_WB = ("weight", "bias")
+    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in _WB}}
 # LFM2 (conversion/lfm2.py): the conv weight squeezed to [hidden, L]; its final norm is `embedding_norm`
 _LFM2_LAYER = {
+    **_QKV, "attn_output.weight": "self_attn.out_proj.weight",
     "attn_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.out_proj.weight",
     "attn_q_norm.weight": "self_attn.q_layernorm.weight", "attn_k_norm.weight": "self_attn.k_layernorm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight", "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
@@ -73,9 +72,8 @@ _FALCON_H1_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.w
 # Jamba (conversion/jamba.py): Mamba-1 with its dt/B/C norms; A = -exp(A_log) kept [inner, state]
 _JAMBA_LAYER = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "pre_ff_layernorm.weight",
-    "ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ffn_gate_inp.weight": "feed_forward.router.weight",
+    "ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ffn_gate_inp.weight": "feed_forward.router.weight", **_QKV,
     **{f"{g}.weight": f"{h}.weight" for g, h in (
-        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
         ("attn_output", "self_attn.o_proj"), ("ssm_x", "mamba.x_proj"), ("ssm_dt_norm", "mamba.dt_layernorm"),
         ("ssm_b_norm", "mamba.b_layernorm"), ("ssm_c_norm", "mamba.c_layernorm"),
         ("ffn_gate", "feed_forward.gate_proj"), ("ffn_up", "feed_forward.up_proj"),
