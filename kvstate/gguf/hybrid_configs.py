@@ -153,3 +153,41 @@ def jamba(reader, arch: str) -> dict[str, Any]:
                 mamba_proj_bias=mamba is not None and f"blk.{mamba}.ssm_in.bias" in names,
                 rms_norm_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length"),
                 hidden_act="silu", tie_word_embeddings=not has_tensor(reader, "output.weight"))
+
+
+def kimi_linear(reader, arch: str) -> dict[str, Any]:
+    """kimi-linear (conversion/kimi_linear.py): `head_count_kv` per layer, 0 on a KDA layer (1 on an MLA
+    layer: its latent is one KV head); the KDA head count is not written (llama.cpp takes the attention
+    head count): it is read from the KDA q projection. llama.cpp routes with sigmoid scores and always
+    renormalizes the chosen experts' weights."""
+    def get(key, default=None):
+        return arch_field(reader, arch, key, default)
+
+    layers, heads = get("block_count"), get("attention.head_count")
+    kv = get("attention.head_count_kv")
+    full = [bool(k) for k in kv] if isinstance(kv, list) else _attention_layers(reader, layers)
+    names = tensor_names(reader)
+    kda_layer, mla_layer = _first(full, False), _first(full, True)
+    kda_dim = get("kda.head_dim")
+    kda_heads = heads if kda_layer is None else int(names[f"blk.{kda_layer}.attn_q.weight"].shape[-1]) // kda_dim
+    if field(reader, f"{arch}.expert_gating_func", 2) != 2:  # gguf.ExpertGatingFuncType.SIGMOID
+        raise KvstateError(f"{reader.source}: {arch}.expert_gating_func is not sigmoid, which Kimi Linear routes by")
+    rope = get("rope.dimension_count")
+    cfg = dict(model_type="kimi_linear", hidden_size=get("embedding_length"), num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=heads,
+               layer_types=["full_attention" if f else "linear_attention" for f in full],
+               linear_num_heads=kda_heads, linear_head_dim=kda_dim, linear_conv_kernel_dim=get("ssm.conv_kernel"),
+               kv_lora_rank=get("attention.kv_lora_rank"), q_lora_rank=field(reader, f"{arch}.attention.q_lora_rank"),
+               qk_rope_head_dim=rope, qk_nope_head_dim=get("attention.key_length_mla") - rope,
+               v_head_dim=get("attention.value_length_mla"),
+               attention_bias=mla_layer is not None and f"blk.{mla_layer}.attn_kv_a_mqa.bias" in names,
+               mlp_layer_types=["sparse" if f"blk.{i}.ffn_gate_exps.weight" in names else "dense"
+                                for i in range(layers)],
+               intermediate_size=get("feed_forward_length"), num_experts=get("expert_count"),
+               num_experts_per_token=get("expert_used_count"), moe_intermediate_size=get("expert_feed_forward_length"),
+               num_shared_experts=get("expert_shared_count", 0), moe_renormalize=True,
+               num_expert_group=get("expert_group_count", 1), topk_group=get("expert_group_used_count", 1),
+               routed_scaling_factor=get("expert_weights_scale", 1.0),
+               rms_norm_eps=get("attention.layer_norm_rms_epsilon"), max_position_embeddings=get("context_length"),
+               hidden_act="silu", tie_word_embeddings=not has_tensor(reader, "output.weight"))
+    return cfg

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstate.errors import KvstateError
 from kvstate.gguf.fields import field, has_tensor, open_reader
-from kvstate.gguf.hybrid_configs import falcon_h1, granitehybrid, jamba, lfm2
+from kvstate.gguf.hybrid_configs import falcon_h1, granitehybrid, jamba, kimi_linear, lfm2
 
 
 def _qwen35(reader, arch: str) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
 # GGUF architecture -> its config reader
 ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2,
                  "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h, "lfm2": lfm2, "falcon-h1": falcon_h1,
-                 "granitehybrid": granitehybrid, "jamba": jamba}
+                 "granitehybrid": granitehybrid, "jamba": jamba, "kimi-linear": kimi_linear}
 MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
 
 

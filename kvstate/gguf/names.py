@@ -84,10 +84,29 @@ _JAMBA_LAYER = {
 }
 _JAMBA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
                  "output_norm.weight": "model.final_layernorm.weight"}
+# Kimi Linear (conversion/kimi_linear.py): KDA and MLA under `self_attn`; MLA's kv_b_proj split into k_b
+# (transposed) and v_b, named here as the converter does in between (`weights` joins them back)
+_KIMI_LAYER = {
+    **_QKV, "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias", "ssm_norm.weight": "self_attn.o_norm.weight",
+    **{f"ssm_{g}.weight": f"self_attn.{h}.weight" for g, h in (
+        ("conv1d_q", "q_conv1d"), ("conv1d_k", "k_conv1d"), ("conv1d_v", "v_conv1d"), ("f_a", "f_a_proj"),
+        ("f_b", "f_b_proj"), ("g_a", "g_a_proj"), ("g_b", "g_b_proj"), ("beta", "b_proj"))},
+    **{f"attn_{g}.{kind}": f"self_attn.{h}.{kind}" for g, h in (
+        ("q_a", "q_a_proj"), ("q_b", "q_b_proj"), ("kv_a_mqa", "kv_a_proj_with_mqa"), ("k_b", "k_b_proj"),
+        ("v_b", "v_b_proj")) for kind in _WB},
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    **{f"ffn_{g}{part}.weight": f"mlp.{h}{g}_proj.weight" for g in ("gate", "up", "down")
+       for part, h in (("", ""), ("_shexp", "shared_experts."))},
+}
 # architecture -> (global names, per-layer names, layer prefix, where a layer keeps its experts)
 _NAMES = {"lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers", None),
           "falcon-h1": (_FALCON_H1_GLOBAL, _FALCON_H1_LAYER, "model.layers", None),
           "jamba": (_JAMBA_GLOBAL, _JAMBA_LAYER, "model.layers", "feed_forward.experts"),
+          "kimi-linear": (_GLOBAL, _KIMI_LAYER, "model.layers", "mlp.experts"),
           "mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers", None),
           "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None),
           "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None)}

@@ -10,8 +10,8 @@ is inverted here, so the family adapter maps the result like the safetensors che
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
 way, A and D as [heads, 1] and the gated norm as [groups, inner / groups] (Falcon-H1's too, its muP
 multipliers folded into the weights, which the config read back leaves at 1); Nemotron-H's also permutes
-q and k rows. LFM2's and Jamba's only squeeze their conv weights (and Jamba's A as above, kept
-[inner, state]). Names: `kvstate.gguf.names`.
+q and k rows. LFM2's, Jamba's and Kimi Linear's only reshape their conv weights (and store A as above, in the
+checkpoint's shape); Kimi Linear's MLA kv_b_proj is split in two (joined back here). Names: `kvstate.gguf.names`.
 F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
 (`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
 the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
@@ -81,7 +81,7 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str 
     arch = cfg["gguf_architecture"]
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    if arch in ("lfm2", "jamba"):  # else only the conv weight squeezed, which the loader takes as it is
+    if arch in ("lfm2", "jamba", "kimi-linear"):  # else only conv weights reshaped, which the loader takes as they are
         return t
     if arch in MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
         if arch != "falcon-h1" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
@@ -164,12 +164,23 @@ def _raw_rows(tensor) -> torch.Tensor:
     return torch.from_numpy(data.reshape(data.shape[0], -1).copy())
 
 
+def _kv_b(halves: tuple[dict, dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """kv_b_proj of each layer whose k_b and v_b are both read: the inverse of the converter's split, k_b
+    [heads, kv_lora, nope] transposed back and v_b [heads, v, kv_lora] put after it, head by head."""
+    k_halves, v_halves = halves
+    for prefix in [p for p in k_halves if p in v_halves]:
+        k_b, v_b = k_halves.pop(prefix), v_halves.pop(prefix)
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [heads, nope + v, kv_lora]
+        yield f"{prefix}kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+
+
 def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) of each tensor of the GGUF file `source` (a path or an open reader): a
     `Blocks` for those named in `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
     reader = reader_of(source)
     path = reader.source
     check_tensor_types(reader)  # before any work: a type nothing reads fails the load at once
+    halves: tuple[dict, dict] = ({}, {})  # MLA k_b and v_b, by their layer's prefix, till both are read
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:
@@ -179,7 +190,10 @@ def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()
             yield name, Blocks(undo_transforms(name, _raw_rows(tensor), cfg, qtype), qtype)
             continue
         data = undo_transforms(name, to_torch(tensor, path), cfg)
-        if "{e}" in name:
+        if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):  # Kimi Linear's MLA
+            halves[name.endswith("v_b_proj.weight")][name[:-len("k_b_proj.weight")]] = data
+            yield from _kv_b(halves)
+        elif "{e}" in name:
             for e in range(data.shape[0]):
                 yield name.format(e=e), data[e]
         else:

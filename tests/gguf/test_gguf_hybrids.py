@@ -1,4 +1,4 @@
-"""GGUF files of LFM2, Falcon-H1 and Granite 4.0 hybrid (written as llama.cpp's converter writes them:
+"""GGUF files of LFM2, Falcon-H1, Kimi Linear and Granite 4.0 hybrid (written as llama.cpp's converter writes them:
 tests/gguf/writer.py) plan as their checkpoints do, and the runnable ones give their logits: F32 within
 1e-5 (Falcon-H1's muP multipliers are multiplied into its weights), Q8_0 exactly the logits of the model
 holding gguf's dequantization. Bad files are one line and exit 2."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from kvstate.cli import main
 from kvstate.families import read_plan
@@ -23,7 +23,7 @@ from tests.greedy import greedy_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
-RUNNABLE = ["lfm2", "falcon_h1", "falcon_h1_norm"]
+RUNNABLE = ["lfm2", "falcon_h1", "falcon_h1_norm", "kimi"]
 # Mamba-2, attention, Mamba-2 blocks; 4 experts (top 2) beside the shared MLP
 GRANITE = dict(hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
@@ -33,18 +33,25 @@ GRANITE = dict(hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "atten
 
 
 def _models():
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    from transformers import (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, KimiLinearConfig,
+                              KimiLinearForCausalLM)
 
-    from tests.models import test_falcon_h1, test_lfm2
+    from tests.models import test_falcon_h1, test_kimi_linear, test_lfm2
+    from tests.models.checks import redraw_weights
 
     torch.manual_seed(0)
     granite = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(vocab_size=VOCAB, **GRANITE)).eval()
+    # KDA (3 heads of 32) and MLA (4 heads) layers, 2 dense FFNs then MoE; one expert group: the converter
+    # reads the group count as `n_group`, which transformers' config does not spell (llama.cpp then runs one)
+    kimi = KimiLinearForCausalLM(KimiLinearConfig(**{**test_kimi_linear.BASE, **test_kimi_linear.CASES[
+        "groups-first2dense"], "vocab_size": VOCAB, "n_group": 1})).eval()
+    redraw_weights(kimi, 3)
     # the Mamba output norm as llama.cpp runs it: after the gate
     return {"lfm2": test_lfm2.tiny(0, vocab_size=VOCAB, block_multiple_of=16),
             "falcon_h1": test_falcon_h1.tiny(1, vocab_size=VOCAB),
             "falcon_h1_norm": test_falcon_h1.tiny(2, vocab_size=VOCAB, mamba_rms_norm=True,
                                                   mamba_norm_before_gate=False),
-            "granite": granite}
+            "kimi": kimi, "granite": granite}
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +107,10 @@ def test_logits_and_greedy_tokens_are_the_checkpoints(hybrids, kind):
 def test_q8_0_file_gives_the_dequantized_models_logits(hybrids, kind, tmp_path):
     _, gguf = hybrids[kind]
     q8 = GGMLQuantizationType.Q8_0
-    quant = rewrite(gguf, tmp_path / "q8.gguf", qtype=q8, keep={"token_embd.weight"})
-    ref = rewrite(gguf, tmp_path / "ref.gguf", qtype=q8, keep={"token_embd.weight"}, dequantized=True, rounded=())
+    # the embedding table and the routers stay F32, as llama-quantize leaves routers
+    keep = {"token_embd.weight"} | {t.name for t in GGUFReader(str(gguf)).tensors if "ffn_gate_inp" in t.name}
+    quant = rewrite(gguf, tmp_path / "q8.gguf", qtype=q8, keep=keep)
+    ref = rewrite(gguf, tmp_path / "ref.gguf", qtype=q8, keep=keep, dequantized=True, rounded=())
     model, _ = load_model(quant)
     want_model, _ = load_model(ref)
     plain, _ = load_model(gguf)

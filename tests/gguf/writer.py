@@ -20,9 +20,25 @@ import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFWriter, get_tensor_name_map
 from safetensors.torch import load_file
 
+from tests.gguf.writer_kimi import kimi_keys, kimi_tensors
+
+
+def _text_keys(w: GGUFWriter, c: dict, context: bool = True) -> None:
+    """What TextModel.set_gguf_parameters writes beside the block count, width and head count."""
+    if context:
+        w.add_context_length(c["max_position_embeddings"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(c["vocab_size"])
+
+
+def _each(transform):
+    """A whole-checkpoint transform from one that takes a tensor at a time."""
+    return lambda c, tensors: (out for name, t in tensors.items() for out in transform(c, name, t))
+
 
 def _lfm2_keys(w: GGUFWriter, c: dict) -> None:
     """LFM2Model.set_gguf_parameters: KV heads per layer (0 on conv layers), the auto-adjusted MLP width."""
+    _text_keys(w, c)
     w.add_head_count_kv([c["num_key_value_heads"] if t != "conv" else 0 for t in c["layer_types"]])
     ff = int(2 * c["intermediate_size"] / 3) if c["block_auto_adjust_ff_dim"] else c["intermediate_size"]
     ff = int((c.get("block_ffn_dim_multiplier") or 1.0) * ff) if c["block_auto_adjust_ff_dim"] else ff
@@ -57,6 +73,8 @@ def _mamba2_tensor(c: dict, name: str, t: torch.Tensor, inner: int) -> torch.Ten
 
 
 def _falcon_h1_keys(w: GGUFWriter, c: dict) -> None:
+    _text_keys(w, c)
+    w.add_head_count_kv(c["num_key_value_heads"])
     _mamba2_keys(w, c, c["mamba_d_ssm"], c["mamba_d_ssm"] // c["mamba_d_head"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_key_length(c["head_dim"])
@@ -85,6 +103,7 @@ def _falcon_h1_tensor(c: dict, name: str, t: torch.Tensor) -> list[tuple[str, to
 
 def _granite_keys(w: GGUFWriter, c: dict) -> None:
     """GraniteHybridModel.set_gguf_parameters (through GraniteModel and GraniteMoeModel's)."""
+    _text_keys(w, c, context=False)
     attn = [t in ("attention", "full_attention") for t in c["layer_types"]]
     inner = c["mamba_expand"] * c["hidden_size"]
     _mamba2_keys(w, c, inner, c["mamba_n_heads"])
@@ -157,10 +176,11 @@ def _jamba_tensors(c: dict, tensors: dict):
 
 
 # model_type -> (GGUF architecture, its keys, its tensor transform)
-FAMILIES = {"jamba": (MODEL_ARCH.JAMBA, _jamba_keys, None),
-            "lfm2": (MODEL_ARCH.LFM2, _lfm2_keys, _lfm2_tensor),
-            "falcon_h1": (MODEL_ARCH.FALCON_H1, _falcon_h1_keys, _falcon_h1_tensor),
-            "granitemoehybrid": (MODEL_ARCH.GRANITE_HYBRID, _granite_keys, _granite_tensor)}
+FAMILIES = {"jamba": (MODEL_ARCH.JAMBA, _jamba_keys, _jamba_tensors),
+            "kimi_linear": (MODEL_ARCH.KIMI_LINEAR, kimi_keys, kimi_tensors),
+            "lfm2": (MODEL_ARCH.LFM2, _lfm2_keys, _each(_lfm2_tensor)),
+            "falcon_h1": (MODEL_ARCH.FALCON_H1, _falcon_h1_keys, _each(_falcon_h1_tensor)),
+            "granitemoehybrid": (MODEL_ARCH.GRANITE_HYBRID, _granite_keys, _each(_granite_tensor))}
 
 
 def _tokenizer(w: GGUFWriter, ckpt: Path) -> None:
@@ -210,21 +230,13 @@ def write_gguf(ckpt: Path, out: Path) -> Path:
     w.add_block_count(c["num_hidden_layers"])
     w.add_embedding_length(c["hidden_size"])
     w.add_head_count(c["num_attention_heads"])
-    if c["model_type"] != "jamba":
-        if c["model_type"] != "granitemoehybrid":
-            w.add_context_length(c["max_position_embeddings"])
-        if c["model_type"] == "falcon_h1":
-            w.add_head_count_kv(c["num_key_value_heads"])
-        w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
-        w.add_vocab_size(c["vocab_size"])
     keys(w, c)
     if (ckpt / "tokenizer.json").is_file():
         (_spm_tokenizer if c["model_type"] == "jamba" else _tokenizer)(w, ckpt)
     names = get_tensor_name_map(arch, c["num_hidden_layers"])
     tensors = {k: t.float() for k, t in load_file(str(ckpt / "model.safetensors")).items()}
-    for name, data in (_jamba_tensors(c, tensors) if c["model_type"] == "jamba" else
-                       (out for hf, t in tensors.items() for out in transform(c, hf, t))):
-        if name.endswith(".dt_bias"):  # Mamba2Model.filter_tensors
+    for name, data in transform(c, tensors):
+        if name.endswith(".dt_bias"):  # Mamba2Model.filter_tensors (and Kimi Linear's modify_tensors)
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
         gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
