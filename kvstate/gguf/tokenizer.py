@@ -24,8 +24,15 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p
           r"|\s+(?!\S)|\s+")
 _QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Kimi K2 and Kimi Linear's tiktoken pattern (tokenization_kimi.py; llama.cpp runs it as custom code):
+# letters other than Han, Han runs on their own. Oniguruma reads the `&&` class intersections as tiktoken does.
+_LETTERS = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2 = "|".join((r"[\p{Han}]+",
+                     rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS[0]}*{_LETTERS[1]}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+                     rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS[0]}+{_LETTERS[1]}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+                     r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"))
 # tokenizer.ggml.pre -> split regex (None: the GPT-2 regex of ByteLevel itself)
-PRE_TOKENIZERS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "gpt-2": None, "default": None}
+PRE_TOKENIZERS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "kimi-k2": _KIMI_K2, "gpt-2": None, "default": None}
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp's token types (gguf.TokenType)
 _SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}

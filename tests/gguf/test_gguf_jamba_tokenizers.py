@@ -1,7 +1,9 @@
 """Jamba GGUF files (written as llama.cpp's converter writes them: tests/gguf/writer.py) plan and run as
 their checkpoint, and the SentencePiece tokenizer read from the file ("llama" model: pieces, scores, token
-types, <0xNN> byte fallback) encodes and decodes like the checkpoint's tokenizer.json."""
+types, <0xNN> byte fallback) encodes and decodes like the checkpoint's tokenizer.json; Kimi's "kimi-k2"
+byte-level split is its tiktoken pattern."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,44 @@ def test_jamba_q8_0_file_gives_the_dequantized_models_logits(jamba, tmp_path):
     assert {m.weight_format for m in model.modules() if getattr(m, "weight_format", None)} == {"Q8_0"}
     for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+# Kimi's pattern as tokenization_kimi.py spells it, read by the `regex` module (set operations: VERSION1)
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
+
+
+def test_kimi_k2_pre_tokenizer_splits_as_kimis_pattern(tmp_path):
+    """A byte-level BPE file whose pre-tokenizer is "kimi-k2" (Kimi Linear's converter writes it) splits text
+    as Kimi's tiktoken pattern does: Han runs alone, letters of other scripts by case, digits by three."""
+    import regex
+    from gguf import GGUFWriter
+    from tokenizers import Tokenizer as Tok
+    from tokenizers import pre_tokenizers
+
+    from kvstate.gguf.fields import open_reader
+    from kvstate.gguf.tokenizer import tokenizer_files
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    w = GGUFWriter(str(tmp_path / "k2.gguf"), "kimi-linear")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("kimi-k2")
+    w.add_token_list(sorted(byte_chars))
+    w.add_token_merges([])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tok.from_str(json.dumps(tokenizer_files(open_reader(tmp_path / "k2.gguf"))[0]))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for text in ["Hello World, I'm 1234567 tokens!", "中文混合English文本 and 日本語のテキスト",
+                 "HTTPServer isOK  \n\n\tdone", "ÉLAN élan Ñandú don'T", "  x = 12 # 注释\r\n"]:
+        want = [byte_level.pre_tokenize_str(piece)[0][0] for piece in regex.findall(KIMI_PATTERN, text,
+                                                                                     flags=regex.V1)]
+        assert [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)] == want, text
+    assert "".join(tok.decode(tok.encode("中文 text").ids)) == "中文 text"
