@@ -132,7 +132,7 @@ class Fit:
 
     gpu_bytes: int
     weight_bytes: int
-    weight_source: str  # "parameters" (count x dtype size) or "safetensors" (file sizes)
+    weight_source: str  # "parameters" (count x dtype size), "safetensors" (file sizes) or "gguf" (its tensors)
     free_bytes: int  # gpu - weights (negative: the weights alone do not fit)
     max_requests: dict[int, int]  # context -> whole requests that fit
     max_context: int | None  # longest context of one request; None: unbounded (no KV, no model limit)
@@ -148,10 +148,13 @@ class Fit:
 def fit(plan: ModelPlan, spec: CacheSpec, gpu_bytes: int, contexts: tuple[int, ...],
         checkpoint_dir: str | Path | None = None) -> Fit:
     """Requests that fit in `gpu_bytes` after the weights (safetensors size for a checkpoint
-    directory, else parameter estimate x model dtype size), at each context length."""
+    directory, a GGUF file's tensor bytes (quantized as it holds them), else parameter estimate x
+    model dtype size), at each context length."""
     on_disk = checkpoint_weight_bytes(checkpoint_dir) if checkpoint_dir else None
     if on_disk is not None:
         weights, source = on_disk, "safetensors"
+    elif plan.config.get("gguf_tensor_bytes"):
+        weights, source = int(plan.config["gguf_tensor_bytes"]), "gguf"
     else:
         weights, source = plan.params.total * dtype_bytes(plan.dtype), "parameters"
     free = gpu_bytes - weights

@@ -35,6 +35,20 @@ def test_bf16_activations_report_their_error_against_exact_math(capsys, restore)
     show(console, out)
     text = console.file.getvalue()
     assert "activations bf16" in text and "bf16 activations vs fp32 math" in text
+    assert "32-token prompt (the decode kernels)" in text and "128-token prompt (the prefill GEMMs)" in text
+
+
+def test_block_weights_report_the_prefill_rows_error(capsys, restore):
+    """GGML block weights keep fp32 x in their decode kernels (no error at 32 tokens) and round x to bf16
+    in the prefill GEMMs: the 128-token figure is what the opt-in costs them."""
+    if not activation.available():
+        pytest.skip("needs the compiled kernels on a CPU with AVX512_BF16")
+    args = [a if a != "bf16" else "q8_0" for a in ARGS]
+    assert main([*args, "--activation-dtype", "bf16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    decode, prefill = out["activation_logit_error"], out["activation_logit_error_prefill"]
+    assert decode["positions"] == 32 and prefill["positions"] == 128
+    assert decode["rel"] == 0 and 0 < prefill["rel"] < 0.05
 
 
 def test_without_avx512_bf16_the_opt_in_is_one_line(capsys, monkeypatch, restore):

@@ -308,3 +308,32 @@ def test_bench_engine_bad_depths_are_one_line(capsys, depth, message):
     assert main(["bench", "engine", "--quick", "--no-reference", "--prefill-len", "8", "--depth", depth]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_block_weights_count_as_linear_and_an_empty_rate_is_not_printed():
+    """GGML block projections (one or several types) are the profile's "linear" part like the float
+    kernels; a profile with no linear time shows "-", not bytes over zero seconds."""
+    from collections import defaultdict
+
+    import numpy as np
+    import torch
+    from rich.console import Console
+
+    from kvstate import profiling
+    from kvstate.bench.step_profile import PARTS, profile_table
+    from kvstate.kernels.blocks import block_linear, block_parts_linear
+
+    raw = torch.from_numpy(np.zeros((4, 34), dtype=np.uint8))  # Q8_0 blocks of zeros: [4, 32] weights
+    totals = defaultdict(float)
+    with profiling.collect(totals):
+        block_linear(torch.randn(1, 32), raw, None, "Q8_0")
+        seen = totals["linear"]
+        block_parts_linear(torch.randn(1, 32), [raw, raw], ("Q8_0", "Q8_0"))
+    assert 0 < seen < totals["linear"]
+    parts = dict.fromkeys(PARTS, 0.0)
+    console = Console(record=True, width=200)
+    console.print(profile_table({"1 per-op": {"step_s": 0.01, "parts": parts}}, weight_bytes=10**9))
+    assert "GB/s" not in console.export_text()
+    parts["linear"] = 0.005
+    console.print(profile_table({"1 per-op": {"step_s": 0.01, "parts": parts}}, weight_bytes=10**9))
+    assert "200.0 GB/s" in console.export_text()

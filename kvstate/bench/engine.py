@@ -188,9 +188,13 @@ def run(args: argparse.Namespace) -> int:
         if args.activation_dtype != "fp32":  # what rounding the activations costs, against the exact mode
             from kvstate.bench.quant_error import activation_error
 
+            # 32 tokens: the decode kernels' rows; 128: beyond their 64, the prefill GEMMs (GGML block
+            # weights round only there: their decode kernels keep fp32 x)
             with console.status(f"{args.activation_dtype} activations' logits against fp32 math"):
-                ids = torch.randint(0, llm.plan.vocab_size, (32,), generator=torch.Generator().manual_seed(1))
-                result["activation_logit_error"] = activation_error(llm.model, ids.tolist(), args.activation_dtype)
+                ids = torch.randint(0, llm.plan.vocab_size, (128,), generator=torch.Generator().manual_seed(1))
+                result["activation_logit_error"] = activation_error(llm.model, ids[:32].tolist(), args.activation_dtype)
+                result["activation_logit_error_prefill"] = activation_error(llm.model, ids.tolist(),
+                                                                            args.activation_dtype)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

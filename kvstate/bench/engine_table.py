@@ -44,12 +44,14 @@ def show(console, result: dict) -> None:
                       f"at {100 * q['top1']:.1f}% of positions, logits {100 * q['rel']:.2f}% relative error")
     elif result.get("quant_baseline_missing"):
         console.print(result["quant_baseline_missing"])
-    a = result.get("activation_logit_error")
-    if a:
-        console.print(f"{result['activation_dtype']} activations vs fp32 math, same weights, one "
-                      f"{a['positions']}-token prompt: logits {100 * a['rel']:.3f}% relative error (worst position "
-                      f"{100 * a['max_rel']:.3f}%), "
-                      f"top-1 token the same at {100 * a['top1']:.1f}% of positions")
+    for key, rows in (("activation_logit_error", "the decode kernels"), ("activation_logit_error_prefill",
+                                                                          "the prefill GEMMs")):
+        a = result.get(key)
+        if a:
+            console.print(f"{result['activation_dtype']} activations vs fp32 math, same weights, one "
+                          f"{a['positions']}-token prompt ({rows}): logits {100 * a['rel']:.3f}% relative error "
+                          f"(worst position {100 * a['max_rel']:.3f}%), top-1 token the same at "
+                          f"{100 * a['top1']:.1f}% of positions")
     for k, v in result["speedup_vs_transformers"].items():
         console.print(f"kvstate / transformers, {k}: {v:.2f}x")
     batches = sorted({r["batch"] for r in result["rows"] if r["phase"] == "decode"})

@@ -95,7 +95,7 @@ def profile_table(profiles: dict, weight_bytes: int):
         table.add_row(part, *cells)
     gbps = []
     for p in profiles.values():
-        streamed = p["parts"]["compiled blocks"] == 0
-        gbps += [f"{weight_bytes / max(p['parts']['linear'], 1e-12) / 1e9:.1f} GB/s" if streamed else "-", ""]
+        streamed = p["parts"]["compiled blocks"] == 0 and p["parts"]["linear"] > 0
+        gbps += [f"{weight_bytes / p['parts']['linear'] / 1e9:.1f} GB/s" if streamed else "-", ""]
     table.add_row("linear: weights streamed", *gbps)  # the kernels' own rate while they run
     return table

@@ -264,7 +264,8 @@ def _print_fits(console, models, fits, contexts) -> None:
         table.add_column(f"requests @ {format_tokens(c)}", justify="right")
     table.add_column("longest context", justify="right")
     for (_, plan, _), f in zip(models, fits):
-        weights = fb(f.weight_bytes) + (" (files)" if f.weight_source == "safetensors" else f" {plan.dtype}")
+        weights = fb(f.weight_bytes) + {"safetensors": " (files)", "gguf": " (GGUF tensors)"}.get(f.weight_source,
+                                                                                                   f" {plan.dtype}")
         if f.max_context is None:
             longest = "unbounded"
         else:

@@ -187,6 +187,7 @@ def config_of(reader) -> dict[str, Any]:
     cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem
     cfg["gguf_architecture"] = arch
     cfg["dtype"] = matrix_dtype_name(reader)  # the model's dtype, as a checkpoint's config says it: the KV default
+    cfg["gguf_tensor_bytes"] = sum(int(t.n_bytes) for t in reader.tensors)  # the weights as the file holds them
     for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
         if (value := field(reader, key)) is not None:
             cfg[hf] = value

@@ -10,11 +10,13 @@ is inverted here, so the family adapter maps the result like the safetensors che
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
 way, A and D as [heads, 1] and the gated norm as [groups, inner / groups] (Falcon-H1's too, its muP
 multipliers folded into the weights, which the config read back leaves at 1); Nemotron-H's also permutes
-q and k rows. LFM2's, Jamba's and Kimi Linear's only reshape their conv weights (and store A as above, in the
-checkpoint's shape); Kimi Linear's MLA kv_b_proj is split in two (joined back here). Names: `kvstate.gguf.names`.
+q and k rows. LFM2's, Jamba's and Kimi Linear's only reshape their conv weights (and store A as above,
+in the checkpoint's shape); Kimi Linear's MLA kv_b_proj is split in two (joined back here). Names:
+`kvstate.gguf.names`.
 F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
 (`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
-the transforms done on whole rows (and, for the out projection's columns, on whole blocks); any other
+the transforms done on whole rows (and, for the out projection's columns, on whole blocks, or where a
+head is narrower than a block, not at all: the projection then permutes its input, `input_order`); any other
 quantized tensor is dequantized with gguf's own `dequantize` to bfloat16.
 """
 
@@ -63,10 +65,16 @@ def _reordered_columns(name: str, cfg: dict[str, Any]) -> bool:
             and cfg["linear_num_key_heads"] != cfg["linear_num_value_heads"])
 
 
-def blocks_keep_transform(name: str, cfg: dict[str, Any], qtype: str) -> bool:
-    """Whether the converter's transform of `name` can be undone on `qtype` blocks: rows move whole;
-    columns only in whole blocks (a value head a multiple of the block)."""
-    return not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % _block(qtype)[0] == 0
+def input_order(name: str, cfg: dict[str, Any], qtype: str) -> torch.Tensor | None:
+    """For `qtype` blocks of `name` whose reordered columns cannot move as whole blocks (a value head
+    narrower than the block: Qwen3.5-35B-A3B's heads of 128 in Q4_K), the blocks stay in the file's
+    column order and the projection reads its input in that order: `perm` [K] with
+    W_file[:, j] = W[:, perm[j]], so W @ x = W_file @ x[perm]. None where the columns move at load."""
+    if not _reordered_columns(name, cfg) or cfg["linear_value_head_dim"] % _block(qtype)[0] == 0:
+        return None
+    k_heads, v_heads, dv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
+    file_of = _tiled_to_grouped(torch.arange(v_heads * dv), 0, k_heads, v_heads // k_heads, dv)  # [K]: file column
+    return torch.argsort(file_of)
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -77,7 +85,7 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
-    rows of that type's blocks (uint8 [N, bytes per row]: see `blocks_keep_transform`)."""
+    rows of that type's blocks (uint8 [N, bytes per row]: see `input_order`)."""
     arch = cfg["gguf_architecture"]
     if name.endswith("A_log"):
         t = torch.log(-t.float())
@@ -102,6 +110,8 @@ def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str 
     if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
         return _tiled_to_grouped(t, 0, k_heads, per_k, 1)
     if name.endswith("out_proj.weight"):
+        if qtype is not None and input_order(name, cfg, qtype) is not None:
+            return t  # the file's column order: the projection permutes its input instead
         width = dv if qtype is None else dv // _block(qtype)[0] * _block(qtype)[1]  # a head's bytes
         return _tiled_to_grouped(t, 1, k_heads, per_k, width)
     return t

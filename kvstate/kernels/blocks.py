@@ -25,6 +25,7 @@ from torch import nn
 from kvstate.kernels import _ext, activation
 from kvstate.kernels.dispatch import MAX_ROWS_BF16, choice
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
+from kvstate.profiling import timed
 
 SUPPORTED: frozenset[str] = frozenset(TYPES)
 TILE_WEIGHTS = 1 << 16  # fp32 weights dequantized per tile by torch (256 KiB)
@@ -51,8 +52,13 @@ def set_block_weight(linear: nn.Module, raw: torch.Tensor, qtype: str) -> None:
     linear.register_buffer("weight_type", torch.tensor(TYPES[qtype].type_id, dtype=torch.int32))
 
 
+@timed("linear")
 def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, qtype: str) -> torch.Tensor:
     """y[..., N] = x[..., K] @ W^T + bias, W the weights `raw` [N, bytes per row] means, fp32 math."""
+    return _block_linear(x, raw, bias, qtype)
+
+
+def _block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, qtype: str) -> torch.Tensor:
     n = raw.shape[0]
     k = raw.shape[1] // TYPES[qtype].nbytes * TYPES[qtype].block
     x2 = x.reshape(-1, k).float()  # [M, K]
@@ -74,6 +80,19 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
     if bias is not None:
         y += bias.float()
     return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+@timed("linear")
+def block_parts_linear(x: torch.Tensor, raws: list[torch.Tensor], qtypes: tuple[str, ...]) -> torch.Tensor:
+    """torch.cat([block_linear(x, raw, None, qtype) ...], -1): several block matrices of one input, each
+    of its own type, as one compiled call where the kernel serves x (decode), else one by one."""
+    k = raws[0].shape[1] // TYPES[qtypes[0]].nbytes * TYPES[qtypes[0]].block
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    isa = _isa(x2)
+    if isa is None or not hasattr(_ext.load(), "quant_linear_parts"):
+        return torch.cat([_block_linear(x, raw, None, q) for raw, q in zip(raws, qtypes)], -1)
+    y = _ext.load().quant_linear_parts(x2, raws, [TYPES[q].type_id for q in qtypes], isa)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def _dequantizer(x2: torch.Tensor):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvstate.kernels.blocks import block_linear
+from kvstate.kernels.blocks import block_linear, block_parts_linear
 from kvstate.kernels.dispatch import linear
 
 
@@ -48,6 +48,34 @@ class FusedGroup:
         return self.members[0].weight.data_ptr() == self.weight.data_ptr()
 
 
+class BlockParts:
+    """Linears of one input whose weights are GGML blocks of different types (a Q4_K_M file keeps
+    attention's v or GDN's qkv in Q6_K, the rest in Q4_K): rows of different widths cannot be one
+    matrix, so each member keeps its own tensor and one compiled call (`blocks.block_parts_linear`)
+    multiplies them all. `intact()` holds while every member holds the tensor it had at `remember()`."""
+
+    parts = True
+    bias = scale = None
+
+    def __init__(self, members: tuple[nn.Linear, ...]):
+        self.members = members
+        self.format = tuple(_format(m) for m in members)
+        self.sizes = [m.weight.shape[0] for m in members]
+        self.remember()
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.members]
+
+    def remember(self) -> None:
+        """Take the members' current tensors as the group's (after they moved, e.g. to huge pages)."""
+        self._ptrs = [m.weight.data_ptr() for m in self.members]
+
+    def intact(self) -> bool:
+        return [m.weight.data_ptr() for m in self.members] == self._ptrs and \
+            all(_format(m) == f for m, f in zip(self.members, self.format))
+
+
 def _scale(m: nn.Linear) -> torch.Tensor | None:
     return getattr(m, "weight_scale", None)
 
@@ -58,17 +86,24 @@ def _format(m: nn.Linear) -> str | None:
 
 
 def fuse(*linears: nn.Linear) -> FusedGroup | None:
-    """Fuse linears of one input (same K, weight dtype and device, GGML blocks of one type; biases
-    and scales all or none); None if they differ."""
+    """Fuse linears of one input (same K, weight dtype and device, biases and scales all or none; GGML
+    blocks of one type, or of several bias-free (`BlockParts`)); None if they differ."""
     first = linears[0]
-    if any(_format(m) != _format(first) for m in linears):
+    if any(getattr(m, "input_perm", None) is not None for m in linears):  # each reads x in its own order
         return None
+    if any(_format(m) != _format(first) for m in linears):
+        if any(_format(m) is None or m.bias is not None for m in linears):
+            return None
+        return _members_of(BlockParts(tuple(linears)))
     if any(m.weight.shape[1] != first.weight.shape[1] or m.weight.dtype != first.weight.dtype
            or m.weight.device != first.weight.device or (m.bias is None) != (first.bias is None)
            or (_scale(m) is None) != (_scale(first) is None) for m in linears):
         return None
-    group = FusedGroup(tuple(linears))
-    for m in linears:
+    return _members_of(FusedGroup(tuple(linears)))
+
+
+def _members_of(group):
+    for m in group.members:
         m.fused_group = group  # a plain attribute: not a submodule, not in the state dict
     return group
 
@@ -81,7 +116,11 @@ def project(x: torch.Tensor, *linears: nn.Linear) -> list[torch.Tensor]:
     if group is not None and not training and group.members == linears and group.intact():
         # split_with_sizes, not Tensor.split: no Python wrapper (called cold after every fused
         # projection: ~50 us less per call on the 0.5b model's machine, 48 calls a step)
-        y = linear(x, group.weight, group.bias, group.scale) if group.format is None else \
-            block_linear(x, group.weight, group.bias, group.format)
+        if getattr(group, "parts", False):
+            y = block_parts_linear(x, group.weights, group.format)
+        elif group.format is None:
+            y = linear(x, group.weight, group.bias, group.scale)
+        else:
+            y = block_linear(x, group.weight, group.bias, group.format)
         return list(y.split_with_sizes(group.sizes, -1))
     return [m(x) for m in linears]

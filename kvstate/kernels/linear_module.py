@@ -20,6 +20,9 @@ class Linear(nn.Linear):
     """nn.Linear with `weight_dtype` (float32 or bfloat16) for the weight; bias and math in `dtype`."""
 
     weight_format: str | None = None  # a GGML block type ("Q4_K", ...) when the weight holds blocks
+    # blocks whose columns are in another order than x's (a GGUF's reordered value heads, narrower than
+    # a block): the forward reads x[..., input_perm] (int64 [K])
+    input_perm: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  weight_dtype: torch.dtype | None = None):
@@ -30,6 +33,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_format is not None:
+            if self.input_perm is not None:
+                x = x.index_select(-1, self.input_perm)
             return block_linear(x, self.weight, self.bias, self.weight_format)
         return linear(x, self.weight, self.bias, self.weight_scale)
 

@@ -10,7 +10,7 @@ order, so its numbers are the per-op path's, bit for bit; only the Python goes.
 `plan(model)` prepares one compiled block per block it can serve: a Gated DeltaNet (SiLU conv) or
 full-attention mixer whose projections are fused (`kernels.fused`) and bias-free, between two
 RMSNorms, then a SiLU gated MLP, weights fp32, bf16, int8 (with per-row scales) or GGML blocks
-(one type per fused group), small parameters fp32. Any other block
+(a fused group may mix block types: `kernels.fused.BlockParts`), small parameters fp32. Any other block
 (MoE, Mamba, KDA, MLA, biases, a module with forward hooks such as tensor parallelism's all-reduce)
 keeps the per-op path: the decoder mixes both freely.
 `for_step(model, batch)` returns the plan for a decode-only step when the kernels serve it, else
@@ -179,6 +179,11 @@ def _fused(ext, linears, groups):
     group = getattr(linears[0], "fused_group", None)
     if any(type(m) is not Linear for m in linears) or group is None or group.members != tuple(linears):
         return None
+    if getattr(group, "parts", False):  # GGML blocks of several types, each member its own tensor
+        if not group.intact() or not hasattr(ext.Weight, "parts"):
+            return None
+        groups.append(group)
+        return ext.Weight.parts(group.weights, [_type_id(f) for f in group.format])
     if not group.intact() or group.bias is not None or group.weight.dtype not in _WEIGHTS:
         return None
     groups.append(group)
@@ -196,7 +201,7 @@ def _plain(ext, linear):
         return None
     w = linear.weight
     if linear.bias is None and w.dtype in _WEIGHTS and w.is_contiguous() and w.dim() == 2:
-        return ext.Weight(w, linear.weight_scale, _type_id(linear.weight_format))
+        return ext.Weight(w, linear.weight_scale, _type_id(linear.weight_format), linear.input_perm)
     return None
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvstate.gguf.weights import blocks_keep_transform, tensor_types
+from kvstate.gguf.weights import input_order, tensor_types
 from kvstate.kernels.blocks import SUPPORTED, set_block_weight
 from kvstate.kernels.ggml_blocks import row_bytes
 from kvstate.kernels.quant import eligible_linears
@@ -36,6 +36,7 @@ class BlockPlan:
     blocks: frozenset[str] = frozenset()  # GGUF tensors read as blocks (some target holds them)
     kept: frozenset[str] = frozenset()  # GGUF tensors all of whose targets hold them as blocks
     dequantized: Counter = field(default_factory=Counter)  # GGML type -> quantized tensors dequantized
+    input_orders: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> `Linear.input_perm`
 
 
 def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
@@ -45,8 +46,9 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
     eligible = {name: m for name, m in model.named_modules() if id(m) in ids}
     sources: dict[str, set[str | None]] = {}  # our parameter -> the block types filling it (None: any other)
     quantized: dict[str, tuple[str, list[str]]] = {}  # GGUF name -> (type, our parameters it fills)
+    orders: dict[str, torch.Tensor] = {}  # our projection -> the order it reads its input in (blocks only)
     for gguf_name, name, qtype, shape in tensor_types(reader, cfg):
-        whole = keep and len(shape) == 2 and qtype in SUPPORTED and blocks_keep_transform(name, cfg, qtype)
+        whole = keep and len(shape) == 2 and qtype in SUPPORTED
         params = []
         for target in ([] if "{e}" in name else targets_of(name) or []):
             module = target.name.removesuffix(".weight")
@@ -57,6 +59,8 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
             params.append(target.name)
         if qtype not in FLOAT_TYPES:
             quantized[gguf_name] = (qtype, params)
+            if whole and (order := input_order(name, cfg, qtype)) is not None:
+                orders.update({p.removesuffix(".weight"): order for p in params})
     plan = BlockPlan()
     plan.linears = {p.removesuffix(".weight"): next(iter(kinds)) for p, kinds in sources.items()
                     if len(kinds) == 1 and None not in kinds}
@@ -65,6 +69,7 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
     kept = {t for t, (_, params) in quantized.items() if params and all(p in held for p in params)}
     plan.kept = frozenset(kept)
     plan.dequantized = Counter(q for t, (q, _) in quantized.items() if t not in kept)
+    plan.input_orders = {m: o for m, o in orders.items() if m in plan.linears}
     return plan
 
 
@@ -81,6 +86,8 @@ def finish_blocks(model: nn.Module, plan: BlockPlan) -> None:
     for name, qtype in plan.linears.items():
         m = model.get_submodule(name)
         set_block_weight(m, m.weight.data, qtype)
+        if name in plan.input_orders:  # its blocks keep the file's column order (`gguf.weights.input_order`)
+            m.input_perm = plan.input_orders[name]
 
 
 def dequantized_line(file, plan: BlockPlan, dtype: torch.dtype) -> str | None:

@@ -78,6 +78,22 @@ def test_memory_reads_a_gguf_without_torch(converted):
     assert '"layer_string": "GAGGA"' in done.stdout
 
 
+def test_memory_fits_a_quantized_gguf_by_its_tensor_bytes(converted, tmp_path, capsys):
+    """`--gpu-memory` counts a GGUF's weights as the file holds them (a Q8_0 file: about half its bf16
+    parameters), not parameters x the model dtype."""
+    import json
+
+    from gguf import GGUFReader
+
+    quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
+    held = sum(int(t.n_bytes) for t in GGUFReader(str(quant)).tensors)
+    assert main(["memory", str(quant), "--gpu-memory", "1GiB", "--json"]) == 0
+    gpu = json.loads(capsys.readouterr().out)[0]["gpu"]
+    assert (gpu["weight_bytes"], gpu["weight_source"]) == (held, "gguf")
+    assert main(["memory", str(quant), "--gpu-memory", "1GiB"]) == 0
+    assert "(GGUF tensors)" in capsys.readouterr().out
+
+
 def _one_line(capsys, argv, needle):
     assert main(argv) == 2
     out, err = capsys.readouterr()

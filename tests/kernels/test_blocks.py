@@ -197,8 +197,9 @@ def test_linear_takes_the_kernel_for_few_rows_and_torch_beyond(backend):
 
 def test_fused_block_linears_project_like_each_alone():
     """`kernels.fused` concatenates rows of blocks of one type (GGUF's q/k/v, gate/up) into one call;
-    linears of different block types stay apart."""
-    from kvstate.kernels.fused import fuse, project
+    linears of different block types (a Q4_K_M file's Q6_K v beside Q4_K q, k) become `BlockParts`,
+    one call too, each member keeping its tensor; a float Linear beside blocks stays apart."""
+    from kvstate.kernels.fused import BlockParts, fuse, project
 
     parts = [_block_linear("Q4_K", n, 512, bias=False, seed=20 + n)[0] for n in (16, 8, 40)]
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
@@ -210,8 +211,47 @@ def test_fused_block_linears_project_like_each_alone():
             assert torch.equal(got, ref)
         assert all(m.weight.data_ptr() == group.weight[i].data_ptr() for m, i in zip(parts, (0, 16, 24)))
     q6 = _block_linear("Q6_K", 8, 512, bias=False, seed=30)[0]
-    assert fuse(_block_linear("Q4_K", 8, 512, bias=False, seed=31)[0], q6) is None
     assert fuse(Linear(512, 8, bias=False), q6) is None
+    assert fuse(_block_linear("Q4_K", 8, 512, bias=True, seed=32)[0], q6) is None  # biases: per member
+    ext = extension()
+    mixed = [_block_linear(q, n, 512, bias=False, seed=40 + n)[0] for q, n in (("Q4_K", 24), ("Q6_K", 8), ("Q4_K", 3))]
+    for rows in (1, 5, MAX_ROWS + 1):  # the compiled parts kernel; beyond MAX_ROWS each member alone
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            alone = [m(x) for m in mixed]
+            group = fuse(*mixed)
+            assert isinstance(group, BlockParts) and group.format == ("Q4_K", "Q6_K", "Q4_K")
+            before = sum(ext.quant_calls())
+            got = project(x, *mixed)
+            assert sum(ext.quant_calls()) - before == (1 if rows <= MAX_ROWS else 0)  # beyond: tiles + GEMM
+        for g, ref in zip(got, alone):
+            assert torch.equal(g, ref)
+    assert group.intact() and [m.weight.data_ptr() for m in mixed] == [w.data_ptr() for w in group.weights]
+    mixed[1].weight = torch.nn.Parameter(mixed[1].weight.clone(), requires_grad=False)
+    assert not group.intact()  # replaced since: project calls each member
+    with torch.no_grad():
+        assert torch.equal(project(x, *mixed)[1], mixed[1](x))
+    group.remember()
+    assert group.intact()
+
+
+def test_compiled_parts_kernel_equals_each_part_on_each_isa():
+    """`quant_linear_parts`: the rows of several block types stacked, split over the threads by bytes,
+    equal to `quant_linear` on each part bit for bit (tiny parts, a part of one row, 1 to 9 x rows)."""
+    ext = extension()
+    specs = [("Q6_K", 300), ("Q4_K", 1), ("Q8_0", 40), ("Q5_K", 2), ("Q4_0", 130), ("Q4_K", 64)]
+    raws = [torch.from_numpy(random_blocks(q, n, 768 // TYPES[q].block, seed=i)) for i, (q, n) in enumerate(specs)]
+    types = [TYPES[q].type_id for q, _ in specs]
+    g = torch.Generator().manual_seed(3)
+    for isa in [i for i in ext.isas() if i != "amx"]:
+        for m in (1, 4, 9):
+            x = torch.randn(m, 768, generator=g)
+            ref = torch.cat([ext.quant_linear(x, r, None, t, isa) for r, t in zip(raws, types)], 1)
+            assert torch.equal(ext.quant_linear_parts(x, raws, types, isa), ref), (isa, m)
+    with pytest.raises(RuntimeError, match="part 1's rows hold"):
+        ext.quant_linear_parts(x, [raws[0], raws[1][:, :144]], types[:2])
+    with pytest.raises(RuntimeError, match="one type per weight part"):
+        ext.quant_linear_parts(x, raws, types[:2])
 
 
 @pytest.mark.parametrize("qtype", sorted(TYPES))

@@ -161,3 +161,38 @@ def test_compiled_blocks_with_ggml_blocks_equal_per_op_bitwise(qwen_256, weights
     ref, got = _both(model, n)
     assert len(ran) == 6 * len(model.layers)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_compiled_blocks_with_mixed_block_types_equal_per_op_bitwise(qwen_256, n, monkeypatch):
+    """A Q4_K_M file's layers mix Q4_K and Q6_K within a fused group (GDN's in_proj_qkv, attention's
+    v_proj): they fuse as `BlockParts` and still run compiled (every block, after the weights moved to
+    huge pages where the OS has them), the per-op path's logits bit for bit."""
+    from kvstate.kernels.blocks import set_block_weight
+    from kvstate.kernels.fused import BlockParts
+    from kvstate.kernels.hugepages import place_weights
+    from kvstate.kernels.ggml_blocks import TYPES
+    from tests.kernels.test_blocks import random_blocks
+
+    extension()
+    model, _ = load_model(qwen_256, weight_dtype="q4_k")
+    for i, block in enumerate(model.layers):
+        m = block.mixer
+        lin = m.in_proj_qkv if hasattr(m, "in_proj_qkv") else m.v_proj
+        raw = random_blocks("Q6_K", lin.out_features, lin.in_features // 256, seed=i)
+        raw[:, 208:210] = (torch.full((lin.out_features, 1), 2e-4).half().view(torch.uint8).numpy())
+        set_block_weight(lin, torch.from_numpy(raw), "Q6_K")
+    fuse_projections(model)
+    place_weights(model, min_bytes=1)
+    groups = {id(b.mixer.in_proj_qkv.fused_group if hasattr(b.mixer, "in_proj_qkv") else b.mixer.v_proj.fused_group):
+              b for b in model.layers}
+    assert len(groups) == len(model.layers)
+    assert all(isinstance(g.mixer.in_proj_qkv.fused_group if hasattr(g.mixer, "in_proj_qkv") else
+                          g.mixer.v_proj.fused_group, BlockParts) for g in groups.values())
+    assert TYPES["Q6_K"].type_id == 14
+    ran = []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
+    ref, got = _both(model, n)
+    assert len(ran) == 6 * len(model.layers)
+    assert torch.equal(got, ref)

@@ -35,11 +35,16 @@ struct Threads {
   }
 };
 
-// A weight matrix [N, K] (fp32, bf16, int8 with its per-row scale [N], or GGML blocks of `type`).
+// A weight matrix [N, K] (fp32, bf16, int8 with its per-row scale [N], or GGML blocks of `type`), or
+// the rows of several GGML block matrices of different types stacked (`parts`, `types`: a fused group
+// of a Q4_K_M file, whose q/k/v mix Q4_K and Q6_K; `w` is then the first part).
 struct Weight {
   Tensor w;
   OptT scale;
   int64_t type = 0;  // GGML_TYPE_* of uint8 blocks [N, bytes per row], else 0
+  std::vector<Tensor> parts;
+  std::vector<int64_t> types;
+  OptT perm;  // int64 [K]: the weight's columns are x[:, perm] (`Linear.input_perm`)
   int64_t k() const {  // weights per row
     namespace q = kvstate::quant;
     return type ? w.size(1) / q::block_bytes(int(type)) * q::block_weights(int(type)) : w.size(1);
@@ -47,8 +52,10 @@ struct Weight {
 };
 
 // the best ISA the CPU has: Python runs compiled blocks only when no backend is forced
-Tensor gemv(const Tensor& x, const Weight& w, int64_t wide) {
+Tensor gemv(const Tensor& x_in, const Weight& w, int64_t wide) {
   Threads t(wide);
+  const Tensor x = w.perm.has_value() ? x_in.index_select(1, *w.perm) : x_in;
+  if (!w.parts.empty()) return kvstate::op::quant_linear_parts(x.to(at::kFloat), w.parts, w.types, "auto");
   if (w.type) return kvstate::op::quant_linear(x.to(at::kFloat), w.w, c10::nullopt, w.type, "auto");
   return kvstate::op::linear(x, w.w, w.scale, "auto");
 }
@@ -343,14 +350,39 @@ void register_decode_blocks(pybind11::module_& m) {
   py::class_<Weight>(m, "Weight",
                      "a weight matrix for the compiled blocks: fp32, bf16, int8 with per-row scales, or GGML blocks "
                      "(uint8 [N, bytes per row]) of GGML type `type`")
-      .def(py::init([](Tensor w, OptT scale, int64_t type) {
+      .def(py::init([](Tensor w, OptT scale, int64_t type, OptT perm) {
              namespace q = kvstate::quant;
              TORCH_CHECK(type == 0 || (q::block_weights(int(type)) > 0 && w.scalar_type() == at::kByte &&
                                        w.dim() == 2 && w.size(1) % q::block_bytes(int(type)) == 0),
                          "kvstate Weight: GGML type ", type, " needs uint8 blocks [N, a multiple of its block bytes]");
-             return Weight{w, scale, type};
+             Weight out{w, scale, type};
+             if (perm.has_value()) {
+               TORCH_CHECK(perm->scalar_type() == at::kLong && perm->dim() == 1 && perm->numel() == out.k(),
+                           "kvstate Weight: perm must be int64 [", out.k(), "]");
+               out.perm = perm;
+             }
+             return out;
            }),
-           py::arg("weight"), py::arg("scale") = py::none(), py::arg("type") = 0);
+           py::arg("weight"), py::arg("scale") = py::none(), py::arg("type") = 0, py::arg("perm") = py::none())
+      .def_static(
+          "parts",
+          [](std::vector<Tensor> parts, std::vector<int64_t> types) {
+            namespace q = kvstate::quant;
+            TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "kvstate Weight.parts: one type per part");
+            int64_t k = -1;
+            for (size_t i = 0; i < parts.size(); ++i) {
+              const int64_t t = types[i];
+              TORCH_CHECK(q::block_weights(int(t)) > 0 && parts[i].scalar_type() == at::kByte && parts[i].dim() == 2 &&
+                              parts[i].is_contiguous() && parts[i].size(1) % q::block_bytes(int(t)) == 0,
+                          "kvstate Weight.parts: part ", i, " (GGML type ", t, ") needs contiguous uint8 blocks");
+              const int64_t ki = parts[i].size(1) / q::block_bytes(int(t)) * q::block_weights(int(t));
+              TORCH_CHECK(k < 0 || ki == k, "kvstate Weight.parts: part ", i, " has rows of ", ki, " weights, not ", k);
+              k = ki;
+            }
+            return Weight{parts[0], c10::nullopt, types[0], parts, types};
+          },
+          "the stacked rows of GGML block matrices of different types (one input, one output)", py::arg("parts"),
+          py::arg("types"));
   py::class_<GdnBlock>(m, "GdnBlock", "a Gated DeltaNet + gated MLP block of a decode step, one call")
       .def(py::init([](Tensor norm_w, double norm_eps, double norm_offset, Weight w_in, int64_t n_qkv, int64_t n_z,
                        int64_t n_b, Tensor conv_w, Tensor A_log, Tensor dt_bias, Tensor gnorm_w, double gnorm_eps,

@@ -65,6 +65,9 @@ Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& sca
 // GGML blocks [N, bytes per row] of `type` (quant_gemv.cpp); isa "auto": the best vector ISA within the cap
 Tensor quant_linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
                     const std::string& isa);
+// several GGML block weights of one input [N_i, bytes per row], types[i] each -> y [M, sum N_i]
+Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& types,
+                          const std::string& isa);
 std::string vector_isa();  // the best of avx512 / avx2 that "auto" may use (gemv.cpp)
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps, double offset);
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, double eps,

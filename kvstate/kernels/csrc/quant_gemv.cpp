@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include "decode_ops.h"
 #include "quant_blocks.h"
@@ -95,6 +96,46 @@ Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Ten
   return y;
 }
 
+// One output [M, sum N_i] from several weights of one input, each GGML blocks of its own type (a Q4_K_M
+// layer's q/k/v or GDN in_proj mixes Q4_K and Q6_K): one pass over the threads, split by bytes, not rows
+// (a Q6_K row is 1.5x a Q4_K one), each part's rows written at its columns of y.
+Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, const std::vector<int64_t>& types,
+                          const std::string& isa_in) {
+  using namespace kvstate::quant;
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "kvstate quant: one type per weight part");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "kvstate quant: x must be float32 [M, K]");
+  const Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = int64_t(ws.size());
+  std::vector<int64_t> col(P + 1, 0), byte(P + 1, 0);  // each part's first column and first byte
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(row_weights(ws[p], types[p]) == K, "kvstate quant: x has ", K, " columns; part ", p,
+                "'s rows hold ", ws[p].size(1), " bytes");
+    col[p + 1] = col[p] + ws[p].size(0);
+    byte[p + 1] = byte[p] + ws[p].numel();
+  }
+  const bool wide = wide_isa(isa_in);
+  auto y = at::empty({M, col[P]}, x.options());
+  if (M == 0 || col[P] == 0) return y;
+  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  pybind11::gil_scoped_release no_gil;
+  at::parallel_for(0, byte[P], 64 << 10, [&](int64_t b0, int64_t b1) {
+    for (int64_t p = 0; p < P; ++p) {  // the rows of part p whose first byte lies in [b0, b1)
+      const int64_t rb = ws[p].size(1);
+      const int64_t n0 = std::clamp((b0 - byte[p] + rb - 1) / rb, int64_t(0), ws[p].size(0));
+      const int64_t n1 = std::clamp((b1 - byte[p] + rb - 1) / rb, int64_t(0), ws[p].size(0));
+      if (n0 >= n1) continue;
+      const Args args{x.data_ptr<float>(), M, K, ws[p].data_ptr<uint8_t>(), rb, int(types[p]), nullptr,
+                      y.data_ptr<float>() + col[p], col[P]};
+      if (wide)
+        avx512::rows(args, n0, n1);
+      else
+        avx2::rows(args, n0, n1);
+    }
+  });
+  return y;
+}
+
 Tensor quant_dequantize(const Tensor& w, int64_t type, const std::string& isa) {
   using namespace kvstate::quant;
   const int64_t K = row_weights(w, type), N = w.size(0);
@@ -121,6 +162,10 @@ void register_quant_ops(pybind11::module_& m) {
         "y[M, N] = x[M, K] @ W^T (+ bias), W the GGML blocks [N, bytes per row] of type `type`, each dequantized "
         "exactly, fp32 math", pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("type"), pybind11::arg("isa") = "auto");
+  m.def("quant_linear_parts", &op::quant_linear_parts,
+        "y[M, sum N_i] = x[M, K] @ [W_0; W_1; ...]^T, each W_i GGML blocks [N_i, bytes per row] of type types[i], "
+        "exact as quant_linear, in one pass over the threads", pybind11::arg("x"), pybind11::arg("weights"),
+        pybind11::arg("types"), pybind11::arg("isa") = "auto");
   m.def("quant_dequantize", &op::quant_dequantize,
         "the fp32 weights [N, K] GGML blocks [N, bytes per row] of type `type` mean, exactly as ggml's dequantizer "
         "gives them", pybind11::arg("weight"), pybind11::arg("type"), pybind11::arg("isa") = "auto");
