@@ -87,7 +87,7 @@ _JAMBA_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weigh
 # Kimi Linear (conversion/kimi_linear.py): KDA and MLA under `self_attn`; MLA's kv_b_proj split into k_b
 # (transposed) and v_b, named here as the converter does in between (`weights` joins them back)
 _KIMI_LAYER = {
-    **_QKV, "attn_output.weight": "self_attn.o_proj.weight",
+    **_QKV, "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias", "ssm_norm.weight": "self_attn.o_norm.weight",
     **{f"ssm_{g}.weight": f"self_attn.{h}.weight" for g, h in (

@@ -23,7 +23,7 @@ from tests.greedy import greedy_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
-RUNNABLE = ["lfm2", "falcon_h1", "falcon_h1_norm", "kimi"]
+RUNNABLE = ["lfm2", "falcon_h1", "falcon_h1_norm", "kimi", "kimi_qlora"]
 # Mamba-2, attention, Mamba-2 blocks; 4 experts (top 2) beside the shared MLP
 GRANITE = dict(hidden_size=64, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8,
@@ -46,12 +46,17 @@ def _models():
     kimi = KimiLinearForCausalLM(KimiLinearConfig(**{**test_kimi_linear.BASE, **test_kimi_linear.CASES[
         "groups-first2dense"], "vocab_size": VOCAB, "n_group": 1})).eval()
     redraw_weights(kimi, 3)
+    # q through a latent, MLA biases, 2 shared experts, MoE and dense FFNs alternating; the routing weights
+    # renormalized, as llama.cpp always does
+    kimi_qlora = KimiLinearForCausalLM(KimiLinearConfig(**{**test_kimi_linear.BASE, **test_kimi_linear.CASES[
+        "qlora-bias-2shared"], "vocab_size": VOCAB, "norm_topk_prob": True})).eval()
+    redraw_weights(kimi_qlora, 4)
     # the Mamba output norm as llama.cpp runs it: after the gate
     return {"lfm2": test_lfm2.tiny(0, vocab_size=VOCAB, block_multiple_of=16),
             "falcon_h1": test_falcon_h1.tiny(1, vocab_size=VOCAB),
             "falcon_h1_norm": test_falcon_h1.tiny(2, vocab_size=VOCAB, mamba_rms_norm=True,
                                                   mamba_norm_before_gate=False),
-            "kimi": kimi, "granite": granite}
+            "kimi": kimi, "kimi_qlora": kimi_qlora, "granite": granite}
 
 
 @pytest.fixture(scope="module")
