@@ -18,7 +18,7 @@ from kvstate.models.generate import forward_logits
 from kvstate.models.loader import load_model
 from tests.gguf.conftest import VOCAB, _tokenizer
 from tests.gguf.rewrite import rewrite
-from tests.gguf.writer import write_gguf
+from tests.gguf.writer import bf16_checkpoint, write_gguf
 from tests.greedy import greedy_generate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +106,18 @@ def test_logits_and_greedy_tokens_are_the_checkpoints(hybrids, kind):
     for got, want in zip(forward_logits(model, SEQS), forward_logits(ref, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5, kind
     assert greedy_generate(model, SEQS[0], 8) == greedy_generate(ref, SEQS[0], 8)
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "kimi"])  # (Falcon-H1's multipliers, folded in bf16, round)
+def test_bf16_file_gives_the_bf16_checkpoints_logits(hybrids, kind, tmp_path):
+    ckpt = bf16_checkpoint(hybrids[kind][0], tmp_path / "ckpt")
+    gguf = write_gguf(ckpt, tmp_path / "bf16.gguf", bf16=True)
+    assert "BF16" in {t.tensor_type.name for t in GGUFReader(str(gguf)).tensors}
+    ref, _ = load_model(ckpt)
+    model, _ = load_model(gguf)
+    assert model.lm_head.weight.dtype == ref.lm_head.weight.dtype == torch.bfloat16
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(ref, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5, kind
 
 
 @pytest.mark.parametrize("kind", RUNNABLE)

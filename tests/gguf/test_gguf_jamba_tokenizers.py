@@ -70,6 +70,17 @@ def test_jamba_plan_and_logits_are_the_checkpoints(jamba):
     assert greedy_generate(model, SEQS[0], 8) == greedy_generate(ref, SEQS[0], 8)
 
 
+def test_jamba_bf16_file_gives_the_bf16_checkpoints_logits(jamba, tmp_path):
+    from tests.gguf.writer import bf16_checkpoint
+
+    ckpt = bf16_checkpoint(jamba[0], tmp_path / "ckpt")
+    ref, _ = load_model(ckpt)
+    model, _ = load_model(write_gguf(ckpt, tmp_path / "bf16.gguf", bf16=True))
+    assert model.lm_head.weight.dtype == ref.lm_head.weight.dtype == torch.bfloat16
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(ref, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
 def test_sentencepiece_tokenizer_from_the_file_encodes_and_decodes_like_the_checkpoints(jamba):
     ckpt, gguf = jamba
     ours, theirs = Tokenizer(resolve_checkpoint(gguf)), Tokenizer(ckpt)

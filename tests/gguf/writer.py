@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFWriter, get_tensor_name_map
-from safetensors.torch import load_file
+from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, GGUFWriter,
+                  get_tensor_name_map)
+from gguf.quants import quantize
+from safetensors.torch import load_file, save_file
 
 from tests.gguf.writer_kimi import kimi_keys, kimi_tensors
 
@@ -223,7 +226,21 @@ def _spm_tokenizer(w: GGUFWriter, ckpt: Path) -> None:
     w.add_eos_token_id(vocab[config["eos_token"]])
 
 
-def write_gguf(ckpt: Path, out: Path) -> Path:
+# what the converter's --outtype bf16 keeps F32 (TextModel.prepare_tensors): 1-D tensors, norms, names not
+# ending in .weight (A, D, biases), routers and conv kernels
+_F32 = re.compile(r".*(_norm\.weight|ffn_gate_inp(_shexp)?\.weight|conv1d(_[qkv])?\.weight|shortconv\.conv\.weight)")
+
+
+def _add(w: GGUFWriter, name: str, data: torch.Tensor, bf16: bool) -> None:
+    values = np.ascontiguousarray(data.numpy(), dtype=np.float32)
+    if bf16 and values.ndim > 1 and name.endswith(".weight") and not _F32.fullmatch(name):
+        w.add_tensor(name, quantize(values, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16)
+    else:
+        w.add_tensor(name, values)
+
+
+def write_gguf(ckpt: Path, out: Path, bf16: bool = False) -> Path:
+    """`bf16`: the matrices stored BF16, as the converter's --outtype bf16 does (else every tensor F32)."""
     c = json.loads((ckpt / "config.json").read_text())
     arch, keys, transform = FAMILIES[c["model_type"]]
     w = GGUFWriter(str(out), MODEL_ARCH_NAMES[arch])
@@ -240,9 +257,19 @@ def write_gguf(ckpt: Path, out: Path) -> Path:
             name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
         gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        w.add_tensor(gguf_name, np.ascontiguousarray(data.numpy(), dtype=np.float32))
+        _add(w, gguf_name, data, bf16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def bf16_checkpoint(ckpt: Path, dst: Path) -> Path:
+    """The checkpoint in bf16 (as a bf16 model saves it)."""
+    shutil.copytree(ckpt, dst)
+    tensors = {k: t.to(torch.bfloat16).contiguous() for k, t in load_file(str(ckpt / "model.safetensors")).items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return dst
