@@ -70,6 +70,18 @@ def test_jamba_plan_and_logits_are_the_checkpoints(jamba):
     assert greedy_generate(model, SEQS[0], 8) == greedy_generate(ref, SEQS[0], 8)
 
 
+def test_jamba_layers_that_no_period_and_offset_give_are_one_line(jamba, tmp_path, capsys):
+    """MoE blocks at 3 and 5 only: every second layer from 3, which Jamba's config cannot say (offset < period)."""
+    from kvstate.cli import main
+    from tests.gguf.rewrite import rewrite
+
+    drop = {f"blk.1.{kind}_exps.weight" for kind in ("ffn_gate", "ffn_up", "ffn_down")}
+    bad = rewrite(jamba[1], tmp_path / "odd.gguf", drop=drop)
+    assert main(["memory", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the MoE layers [3, 5] are not every k-th layer" in err, err
+
+
 def test_jamba_bf16_file_gives_the_bf16_checkpoints_logits(jamba, tmp_path):
     from tests.gguf.writer import bf16_checkpoint
 
