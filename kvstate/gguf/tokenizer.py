@@ -31,8 +31,14 @@ _KIMI_K2 = "|".join((r"[\p{Han}]+",
                      rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS[0]}*{_LETTERS[1]}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
                      rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS[0]}+{_LETTERS[1]}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
                      r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"))
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+# the pre-tokenizers llama.cpp runs as Llama 3's: a word that is a token is taken whole (`ignore_merges`), and
+# BOS is added unless the file says otherwise
+_LLAMA3_LIKE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "lfm2")
 # tokenizer.ggml.pre -> split regex (None: the GPT-2 regex of ByteLevel itself)
-PRE_TOKENIZERS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "kimi-k2": _KIMI_K2, "gpt-2": None, "default": None}
+PRE_TOKENIZERS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "kimi-k2": _KIMI_K2, "gpt-2": None, "default": None,
+                  **dict.fromkeys(_LLAMA3_LIKE, _LLAMA3)}
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp's token types (gguf.TokenType)
 _SPACE = "\u2581"  # SentencePiece's "▁"
 _BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
@@ -72,7 +78,8 @@ def _model(reader, model: str, tokens: list[str], types: list[int]) -> dict[str,
            "vocab": {tok: i for i, tok in enumerate(tokens)}}
     if model == "gpt2":
         merges = field(reader, "tokenizer.ggml.merges", [])
-        return {"model": {**bpe, "merges": [m.split(" ", 1) for m in merges]},
+        whole = field(reader, "tokenizer.ggml.pre") in _LLAMA3_LIKE
+        return {"model": {**bpe, "ignore_merges": whole, "merges": [m.split(" ", 1) for m in merges]},
                 "pre_tokenizer": _pre_tokenizer(field(reader, "tokenizer.ggml.pre"), reader.source),
                 "decoder": _BYTE_LEVEL, "post_processor": _BYTE_LEVEL}
     scores = field(reader, "tokenizer.ggml.scores")
@@ -117,8 +124,9 @@ def tokenizer_files(reader) -> tuple[dict[str, Any], dict[str, Any]]:
              if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)]  # what llama.cpp matches in the text
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
                  **_model(reader, model, tokens, types)}
-    # llama.cpp's default: a SentencePiece vocabulary adds BOS, a byte-level BPE does not
-    config: dict[str, Any] = {"add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))}
+    # llama.cpp's default: a SentencePiece vocabulary adds BOS, a byte-level BPE only with a Llama 3 pre-tokenizer
+    bos_default = model == "llama" or field(reader, "tokenizer.ggml.pre") in _LLAMA3_LIKE
+    config: dict[str, Any] = {"add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", bos_default))}
     for key in ("bos", "eos"):
         tid = field(reader, f"tokenizer.ggml.{key}_token_id")
         if tid is not None and 0 <= tid < len(tokens):

@@ -1,7 +1,7 @@
 """Jamba GGUF files (written as llama.cpp's converter writes them: tests/gguf/writer.py) plan and run as
 their checkpoint, and the SentencePiece tokenizer read from the file ("llama" model: pieces, scores, token
 types, <0xNN> byte fallback) encodes and decodes like the checkpoint's tokenizer.json; Kimi's "kimi-k2"
-byte-level split is its tiktoken pattern."""
+byte-level split is its tiktoken pattern; LFM2's and Falcon-H1's ("lfm2", "falcon-h1") run as Llama 3's."""
 
 import json
 from pathlib import Path
@@ -163,3 +163,56 @@ def test_kimi_k2_pre_tokenizer_splits_as_kimis_pattern(tmp_path):
                                                                                      flags=regex.V1)]
         assert [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)] == want, text
     assert "".join(tok.decode(tok.encode("中文 text").ids)) == "中文 text"
+
+
+# Llama 3's split regex as its tokenizer.json has it (llama-vocab.cpp quotes it for LLAMA3)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+
+
+def test_lfm2_pre_tokenizer_takes_whole_words_and_adds_bos_as_llama3s(tmp_path):
+    """LFM2's and Falcon-H1's files name their tokenizer "lfm2" / "falcon-h1", which llama.cpp runs as Llama 3's:
+    its split, a word that is a token taken whole even where no merge makes it, BOS first."""
+    from gguf import GGUFWriter
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Tok
+
+    from kvstate.gguf.tokenizer import write_tokenizer
+    from kvstate.gguf.fields import open_reader
+
+    tok = Tok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    sources = sorted((Path(__file__).parents[2] / "kvstate" / "gguf").glob("*.py"))
+    tok.train_from_iterator([p.read_text(encoding="utf-8") for p in sources], trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab["\u0120zzqq"] = len(vocab)  # " zzqq": a token no merge makes
+    spec["model"]["ignore_merges"] = True
+    theirs_dir = tmp_path / "theirs"
+    theirs_dir.mkdir()
+    (theirs_dir / "tokenizer.json").write_text(json.dumps(spec))
+    (theirs_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True}))
+    w = GGUFWriter(str(tmp_path / "lfm2.gguf"), "lfm2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("lfm2")
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    ours_dir = tmp_path / "ours"
+    ours_dir.mkdir()
+    write_tokenizer(open_reader(tmp_path / "lfm2.gguf"), ours_dir)
+    ours, theirs = Tokenizer(ours_dir), Tokenizer(theirs_dir)
+    for text in [*TEXTS, "a zzqq b", "def f(x):\n    return 1234567"]:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    assert ours.encode("a zzqq")[:1] == [0] and vocab["\u0120zzqq"] in ours.encode("a zzqq")
