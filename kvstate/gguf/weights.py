@@ -197,6 +197,11 @@ def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()
             raise KvstateError(f"{path}: tensor {tensor.name!r} is not part of a {cfg['gguf_architecture']} model")
         if tensor.name in blocks:
             qtype = tensor.tensor_type.name
+            if "{e}" in name:  # experts [E, N, K]: each expert's rows of blocks
+                raw = torch.from_numpy(np.asarray(tensor.data).copy()).reshape(*_shape(tensor)[:2], -1)
+                for e in range(raw.shape[0]):
+                    yield name.format(e=e), Blocks(undo_transforms(name.format(e=e), raw[e], cfg, qtype), qtype)
+                continue
             yield name, Blocks(undo_transforms(name, _raw_rows(tensor), cfg, qtype), qtype)
             continue
         data = undo_transforms(name, to_torch(tensor, path), cfg)

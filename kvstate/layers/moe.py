@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstate.kernels import linear
+from kvstate.kernels.blocks import block_linear
 from kvstate.layers.mlp import MLP, GatedMLP, activation
 
 
@@ -57,6 +58,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    # GGML block types when a GGUF file's expert tensors stay blocks (uint8 [E, rows, bytes per row]:
+    # `models.gguf_blocks`); None for float weights
+    gate_up_format: str | None = None
+    down_format: str | None = None
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, gated: bool = True,
                  act: str = "silu"):
         super().__init__()
@@ -78,15 +84,20 @@ class Experts(nn.Module):
             sel = order[start : start + n]
             tokens = token_of[start : start + n]
             start += n
-            h = linear(x[tokens], self.gate_up[e])  # the decode kernel for few tokens, bf16 weights widened
+            h = _project(x[tokens], self.gate_up[e], self.gate_up_format)  # bf16 weights widened, blocks exact
             if self.gated:
                 g, u = h.chunk(2, dim=-1)
                 h = self.act(g) * u
             else:
                 h = self.act(h)
-            y = linear(h, self.down[e]) * weights.flatten()[sel, None]
+            y = _project(h, self.down[e], self.down_format) * weights.flatten()[sel, None]
             out.index_add_(0, tokens, y.float())
         return out.to(x.dtype)
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, block_type: str | None) -> torch.Tensor:
+    """x @ weight^T: the kernels' linear, or `block_linear` for one expert's GGML blocks."""
+    return linear(x, weight) if block_type is None else block_linear(x, weight, None, block_type)
 
 
 class MoE(nn.Module):

@@ -5,8 +5,10 @@ that fills it is a matrix of one block type kvstate multiplies (`SUPPORTED`) and
 of its weight: rows are runs of whole blocks, so tensors concatenated along rows (q/k/v into one
 weight, one fused tensor split into two) concatenate or split as blocks too. Everything else is
 dequantized to bf16 and the load says so in one line: other types (IQ4_NL, Q2_K, ...), the
-embedding table and MoE experts (read as tensors, not called), a tied head, a weight that mixes
-types or takes part float tensors, and the projections a layer reads as a tensor (`weight_read`).
+embedding table (read as a table, not called), a tied head, a weight that mixes types or takes
+part float tensors, and the projections a layer reads as a tensor (`weight_read`). MoE expert
+tensors [E, N, K] keep their blocks the same way in the `Experts` parameters they fill (gate and
+up of one type, since they share one parameter), each expert's rows multiplied by `block_linear`.
 
 The decision is made on the meta model before its memory exists, so the bf16 copy of a kept
 matrix is never allocated: `plan_blocks` picks, `to_meta_blocks` gives each chosen Linear a uint8
@@ -26,6 +28,7 @@ from kvstate.gguf.weights import input_order, tensor_types
 from kvstate.kernels.blocks import SUPPORTED, set_block_weight
 from kvstate.kernels.ggml_blocks import row_bytes
 from kvstate.kernels.quant import eligible_linears
+from kvstate.layers.moe import Experts
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -37,6 +40,7 @@ class BlockPlan:
     kept: frozenset[str] = frozenset()  # GGUF tensors all of whose targets hold them as blocks
     dequantized: Counter = field(default_factory=Counter)  # GGML type -> quantized tensors dequantized
     input_orders: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> `Linear.input_perm`
+    experts: dict[str, str] = field(default_factory=dict)  # `Experts` parameter -> GGML type it holds
 
 
 def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
@@ -49,8 +53,15 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
     orders: dict[str, torch.Tensor] = {}  # our projection -> the order it reads its input in (blocks only)
     for gguf_name, name, qtype, shape in tensor_types(reader, cfg):
         whole = keep and len(shape) == 2 and qtype in SUPPORTED
+        if "{e}" in name:  # MoE experts [E, N, K]: every expert's rows of one fused parameter
+            params = _expert_params(model, name, shape, targets_of)
+            for p in params:
+                sources.setdefault(p, set()).add(qtype if keep and qtype in SUPPORTED else None)
+            if qtype not in FLOAT_TYPES:
+                quantized[gguf_name] = (qtype, params)
+            continue
         params = []
-        for target in ([] if "{e}" in name else targets_of(name) or []):
+        for target in targets_of(name) or []:
             module = target.name.removesuffix(".weight")
             rows_only = len(target.index) <= 1 and all(isinstance(i, slice) for i in target.index)
             ok = (whole and rows_only and module in eligible and target.name == f"{module}.weight"
@@ -62,9 +73,10 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
             if whole and (order := input_order(name, cfg, qtype)) is not None:
                 orders.update({p.removesuffix(".weight"): order for p in params})
     plan = BlockPlan()
-    plan.linears = {p.removesuffix(".weight"): next(iter(kinds)) for p, kinds in sources.items()
-                    if len(kinds) == 1 and None not in kinds}
-    held = {f"{m}.weight" for m in plan.linears}
+    whole_kinds = {p: next(iter(kinds)) for p, kinds in sources.items() if len(kinds) == 1 and None not in kinds}
+    plan.linears = {p.removesuffix(".weight"): q for p, q in whole_kinds.items() if p.endswith(".weight")}
+    plan.experts = {p: q for p, q in whole_kinds.items() if not p.endswith(".weight")}
+    held = {f"{m}.weight" for m in plan.linears} | set(plan.experts)
     plan.blocks = frozenset(t for t, (_, params) in quantized.items() if any(p in held for p in params))
     kept = {t for t, (_, params) in quantized.items() if params and all(p in held for p in params)}
     plan.kept = frozenset(kept)
@@ -73,12 +85,34 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
     return plan
 
 
+def _expert_params(model: nn.Module, name: str, shape: tuple[int, ...], targets_of) -> list[str]:
+    """The `Experts` parameters (gate_up, down) an expert tensor pattern [E, N, K] fills, when each is
+    filled by whole rows of each expert (its own K); [] otherwise (then it is dequantized)."""
+    params = []
+    for target in targets_of(name.format(e=0)) or []:
+        owner, _, attr = target.name.rpartition(".")
+        module = model.get_submodule(owner) if owner else None
+        rows = target.index[1:]
+        if not isinstance(module, Experts) or attr not in ("gate_up", "down") or len(shape) != 3 \
+                or getattr(module, attr).shape[-1] != shape[-1] or not all(isinstance(i, slice) for i in rows):
+            return []
+        params.append(target.name)
+    return params
+
+
 def to_meta_blocks(model: nn.Module, plan: BlockPlan) -> None:
-    """Each chosen Linear's weight becomes a (meta) uint8 [N, bytes per row] tensor for the file's rows."""
+    """Each chosen Linear's weight becomes a (meta) uint8 [N, bytes per row] tensor for the file's rows;
+    each chosen `Experts` parameter [E, N, K] a uint8 [E, N, bytes per row] one."""
     for name, qtype in plan.linears.items():
         m = model.get_submodule(name)
         shape = (m.out_features, row_bytes(qtype, m.in_features))
         m.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
+    for name, qtype in plan.experts.items():
+        owner, _, attr = name.rpartition(".")
+        m = model.get_submodule(owner)
+        e, n, k = getattr(m, attr).shape
+        setattr(m, attr, nn.Parameter(torch.empty(e, n, row_bytes(qtype, k), dtype=torch.uint8, device="meta"),
+                                      requires_grad=False))
 
 
 def finish_blocks(model: nn.Module, plan: BlockPlan) -> None:
@@ -88,6 +122,9 @@ def finish_blocks(model: nn.Module, plan: BlockPlan) -> None:
         set_block_weight(m, m.weight.data, qtype)
         if name in plan.input_orders:  # its blocks keep the file's column order (`gguf.weights.input_order`)
             m.input_perm = plan.input_orders[name]
+    for name, qtype in plan.experts.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), f"{attr}_format", qtype)  # Experts.gate_up_format / down_format
 
 
 def dequantized_line(file, plan: BlockPlan, dtype: torch.dtype) -> str | None:

@@ -14,11 +14,13 @@ _SCALES = {"Q8_0": ((0,), 1e-3), "Q4_0": ((0,), 1e-2), "Q4_K": ((0, 2), 1e-4), "
            "Q6_K": ((208,), 2e-5)}
 
 
-def quantizable(tensor, qtype: GGMLQuantizationType | None = None) -> bool:
+def quantizable(tensor, qtype: GGMLQuantizationType | None = None, experts: bool = False) -> bool:
     """The projection and embedding matrices (what llama-quantize quantizes; not the conv kernels or a
-    2-D norm such as Mamba-2's grouped one), rows a multiple of the block."""
+    2-D norm such as Mamba-2's grouped one), rows a multiple of the block; with `experts`, the MoE
+    expert tensors [E, N, K] (`*_exps`) too."""
     block = GGML_QUANT_SIZES[qtype][0] if qtype is not None else 32
-    return (len(tensor.shape) == 2 and "conv1d" not in tensor.name and "norm" not in tensor.name
+    matrix = len(tensor.shape) == 2 or (experts and len(tensor.shape) == 3 and "_exps" in tensor.name)
+    return (matrix and "conv1d" not in tensor.name and "norm" not in tensor.name
             and int(tensor.shape[0]) % block == 0)
 
 
@@ -36,7 +38,8 @@ def random_blocks(name: str, shape, qtype: GGMLQuantizationType) -> np.ndarray:
 
 
 def rewrite(src, dst, *, arch: str | None = None, drop=(), retype: dict | None = None,
-            qtype: GGMLQuantizationType | None = None, dequantized: bool = False, keep=(), rounded=None):
+            qtype: GGMLQuantizationType | None = None, dequantized: bool = False, keep=(), rounded=None,
+            experts: bool = False):
     """`qtype`: the quantizable matrices (but those named in `keep`) stored in that type (random blocks
     for a type gguf cannot quantize); with `dequantized`, those (and the tensors the file already holds
     quantized) stored as F32 holding gguf's dequantization, rounded to bf16 (only those named in
@@ -56,7 +59,7 @@ def rewrite(src, dst, *, arch: str | None = None, drop=(), retype: dict | None =
         data = np.array(t.data)
         if retype and t.name in retype:
             writer.add_tensor(t.name, data.astype(retype[t.name]))
-        elif qtype is not None and quantizable(t, qtype) and t.name not in keep:
+        elif qtype is not None and quantizable(t, qtype, experts) and t.name not in keep:
             try:
                 blocks = quantize(data, qtype)
             except NotImplementedError:
