@@ -78,7 +78,8 @@ def _mamba2(reader, arch: str) -> dict[str, Any]:
 def _nemotron_h(reader, arch: str) -> dict[str, Any]:
     """nemotron_h and nemotron_h_moe (conversion/nemotron.py: NemotronHModel; a checkpoint whose config has
     MoE fields, as transformers writes every one, becomes nemotron_h_moe even without experts). Each
-    block's kind is read from its tensors (the feed_forward_length array marks only the MoE blocks there)."""
+    block's kind is read from its tensors (the feed_forward_length array marks only the MoE blocks there).
+    MoE blocks: relu^2 experts (up and down), a shared expert, an optional latent projection around them."""
     def get(key, default=None):
         value = field(reader, f"{arch}.{key}", default)
         if value is None:
@@ -93,11 +94,8 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
                 else "E" if f"blk.{i}.ffn_up_exps.weight" in names else "-" if f"blk.{i}.ffn_up.weight" in names
                 else None)
         if kind is None:
-            raise KvstateError(f"{reader.source}: block {i} has no mixer or MLP tensors (blk.{i}.ssm_in, attn_q, "
-                               "ffn_up)")
-        if kind == "E":
-            raise KvstateError(f"{reader.source}: block {i} is a MoE block; kvstate reads Nemotron-H GGUF files "
-                               "with Mamba-2, attention and MLP blocks (M * -)")
+            raise KvstateError(f"{reader.source}: block {i} has no mixer, MLP or MoE tensors (blk.{i}.ssm_in, attn_q, "
+                               "ffn_up, ffn_up_exps)")
         pattern += kind
     inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
     first = {k: pattern.index(k) for k in "M*-" if k in pattern}
@@ -118,6 +116,13 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
     if "-" in first:
         up = names[f"blk.{first['-']}.ffn_up.weight"]
         cfg.update(intermediate_size=int(up.shape[-1]), mlp_bias=f"blk.{first['-']}.ffn_up.bias" in names)
+    if "E" in pattern:  # routing as llama.cpp runs it: sigmoid scores, its defaults where a key is absent
+        cfg.update(n_routed_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"),
+                   moe_shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0),
+                   moe_latent_size=get("moe_latent_size", 0), norm_topk_prob=get("expert_weights_norm", False),
+                   routed_scaling_factor=get("expert_weights_scale", 1.0), n_group=get("expert_group_count", 1),
+                   topk_group=get("expert_group_used_count", 1))
     return cfg
 
 

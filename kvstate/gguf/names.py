@@ -43,7 +43,12 @@ _WB = ("weight", "bias")
 # Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
 _NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
     ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
-    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in _WB}}
+    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in _WB},
+    # MoE blocks: router and its correction bias, shared expert, latent projections (experts: `_EXPERTS`)
+    "ffn_gate_inp.weight": "mixer.gate.weight", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+    "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight", "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight"}
 # LFM2 (conversion/lfm2.py): the conv weight squeezed to [hidden, L]; its final norm is `embedding_norm`
 _LFM2_LAYER = {
     **_QKV, "attn_output.weight": "self_attn.out_proj.weight",
@@ -108,8 +113,8 @@ _NAMES = {"lfm2": (_LFM2_GLOBAL, _LFM2_LAYER, "model.layers", None),
           "jamba": (_JAMBA_GLOBAL, _JAMBA_LAYER, "model.layers", "feed_forward.experts"),
           "kimi-linear": (_GLOBAL, _KIMI_LAYER, "model.layers", "mlp.experts"),
           "mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers", None),
-          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None),
-          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", None)}
+          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", "mixer.experts"),
+          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers", "mixer.experts")}
 # the architectures whose converter writes Mamba-2 as conversion/mamba.py does (A, D as [heads, 1], the
 # gated norm [groups, inner / groups]) and permutes no q/k rows for a Qwen-style layout
 MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe", "falcon-h1")
