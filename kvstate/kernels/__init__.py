@@ -18,7 +18,7 @@ from kvstate.kernels.dispatch import (
     linear,
     torch_linear,
 )
-from kvstate.kernels.linear_module import Linear
+from kvstate.kernels.linear_module import Embedding, Linear
 
 
 def extension():
@@ -27,5 +27,5 @@ def extension():
 
     return _ext.load()
 
-__all__ = ["CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Linear", "backend", "choice", "extension", "info", "linear",
-           "torch_linear"]
+__all__ = ["CHOICES", "ENV", "MAX_ROWS", "MAX_ROWS_BF16", "Embedding", "Linear", "backend", "choice", "extension",
+           "info", "linear", "torch_linear"]

@@ -95,6 +95,18 @@ def block_parts_linear(x: torch.Tensor, raws: list[torch.Tensor], qtypes: tuple[
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
+def block_rows(raw: torch.Tensor, ids: torch.Tensor, qtype: str) -> torch.Tensor:
+    """fp32 [len(ids), K]: rows `ids` of the weights `raw` [N, bytes per row] means (an embedding
+    table kept as blocks: only the rows looked up are dequantized)."""
+    rows = raw.index_select(0, ids.reshape(-1))
+    return _dequantizer(rows)(rows, qtype) if rows.shape[0] else torch.empty(0, row_weights(raw, qtype))
+
+
+def row_weights(raw: torch.Tensor, qtype: str) -> int:
+    """Weights per row of blocks `raw` [N, bytes per row]."""
+    return raw.shape[1] // TYPES[qtype].nbytes * TYPES[qtype].block
+
+
 def _dequantizer(x2: torch.Tensor):
     """The compiled dequantizer (the same weights, one call per tile) where the kernels run, else torch's."""
     ext = _ext.load() if choice() != "torch" and x2.is_cpu else None

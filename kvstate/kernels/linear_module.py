@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvstate.kernels.blocks import block_linear
+from kvstate.kernels.blocks import block_linear, block_rows
 from kvstate.kernels.dispatch import linear
 
 
@@ -55,3 +55,16 @@ class Linear(nn.Linear):
     def extra_repr(self) -> str:
         scaled = ", per-row scales" if self.weight_scale is not None else ""
         return f"{super().extra_repr()}, weight_dtype={self.weight_format or self.weight.dtype}{scaled}"
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may be GGML blocks (a GGUF's token_embd kept as the file holds it:
+    uint8 [vocab, bytes per row], `weight_format` its type): a lookup dequantizes only the rows it
+    reads, exactly (fp32). A tied LM head holds the same blocks and multiplies by them."""
+
+    weight_format: str | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight_format is None:
+            return super().forward(ids)
+        return block_rows(self.weight, ids, self.weight_format).reshape(*ids.shape, -1)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as torch_module
 
-from kvstate.kernels import Linear, choice, extension
+from kvstate.kernels import Embedding, Linear, choice, extension
 from kvstate.kernels import decode as kdecode
 from kvstate.kernels.ggml_blocks import TYPES
 from kvstate.kernels.threads import serial_outer_threads
@@ -140,7 +140,9 @@ def run_chain_head(entry, ids: list[int], hidden: torch.Tensor, cache, start: in
 
 def _head(head, embed, lm_head, groups):
     ext = extension()
-    if ext is None or _hooked(head) or type(embed) is not torch.nn.Embedding:
+    # a table of GGML blocks (`kernels.Embedding.weight_format`) is looked up per op
+    if ext is None or _hooked(head) or type(embed) not in (torch.nn.Embedding, Embedding) \
+            or getattr(embed, "weight_format", None):
         return None
     block = head.layers[0]
     made = _attention(ext, block, groups) if isinstance(block.mixer, Attention) and not _hooked(block) else None

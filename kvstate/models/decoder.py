@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvstate.kernels import Embedding
 from kvstate.models import decode_blocks
 from kvstate.profiling import timed
 
@@ -87,7 +88,7 @@ class HybridDecoder(nn.Module):
                  tie_word_embeddings: bool = False, plan=None, embedding_scale: float = 1.0,
                  logits_scale: float = 1.0):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens = Embedding(vocab_size, hidden_size)  # may hold a GGUF's blocks (kernels.Embedding)
         self.layers = nn.ModuleList(blocks)
         self.norm = norm()
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)

@@ -4,9 +4,10 @@ A projection (`kernels.Linear`) holds blocks (`kernels.blocks.set_block_weight`)
 that fills it is a matrix of one block type kvstate multiplies (`SUPPORTED`) and lands on whole rows
 of its weight: rows are runs of whole blocks, so tensors concatenated along rows (q/k/v into one
 weight, one fused tensor split into two) concatenate or split as blocks too. Everything else is
-dequantized to bf16 and the load says so in one line: other types (IQ4_NL, Q2_K, ...), the
-embedding table (read as a table, not called), a tied head, a weight that mixes types or takes
-part float tensors, and the projections a layer reads as a tensor (`weight_read`). MoE expert
+dequantized to bf16 and the load says so in one line: other types (IQ4_NL, Q2_K, ...), a weight
+that mixes types or takes part float tensors, and the projections a layer reads as a tensor
+(`weight_read`). The embedding table keeps its blocks too (`kernels.Embedding` dequantizes the rows
+it looks up), and a tied LM head multiplies by the same blocks. MoE expert
 tensors [E, N, K] keep their blocks the same way in the `Experts` parameters they fill (gate and
 up of one type, since they share one parameter), each expert's rows multiplied by `block_linear`.
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from kvstate.gguf.weights import input_order, tensor_types
+from kvstate.kernels import Embedding
 from kvstate.kernels.blocks import SUPPORTED, set_block_weight
 from kvstate.kernels.ggml_blocks import row_bytes
 from kvstate.kernels.quant import eligible_linears
@@ -41,6 +43,7 @@ class BlockPlan:
     dequantized: Counter = field(default_factory=Counter)  # GGML type -> quantized tensors dequantized
     input_orders: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> `Linear.input_perm`
     experts: dict[str, str] = field(default_factory=dict)  # `Experts` parameter -> GGML type it holds
+    embedding: str | None = None  # the GGML type the embedding table (and a tied head) holds
 
 
 def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = True) -> BlockPlan:
@@ -62,6 +65,11 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
             continue
         params = []
         for target in targets_of(name) or []:
+            if target.name == "embed_tokens.weight":  # the table (and a tied head) as blocks: whole rows
+                ok = whole and not target.index and isinstance(model.embed_tokens, Embedding)
+                sources.setdefault(target.name, set()).add(qtype if ok else None)
+                params.append(target.name)
+                continue
             module = target.name.removesuffix(".weight")
             rows_only = len(target.index) <= 1 and all(isinstance(i, slice) for i in target.index)
             ok = (whole and rows_only and module in eligible and target.name == f"{module}.weight"
@@ -74,9 +82,12 @@ def plan_blocks(model: nn.Module, reader, cfg: dict, targets_of, keep: bool = Tr
                 orders.update({p.removesuffix(".weight"): order for p in params})
     plan = BlockPlan()
     whole_kinds = {p: next(iter(kinds)) for p, kinds in sources.items() if len(kinds) == 1 and None not in kinds}
+    plan.embedding = whole_kinds.pop("embed_tokens.weight", None)
     plan.linears = {p.removesuffix(".weight"): q for p, q in whole_kinds.items() if p.endswith(".weight")}
     plan.experts = {p: q for p, q in whole_kinds.items() if not p.endswith(".weight")}
     held = {f"{m}.weight" for m in plan.linears} | set(plan.experts)
+    if plan.embedding:
+        held.add("embed_tokens.weight")
     plan.blocks = frozenset(t for t, (_, params) in quantized.items() if any(p in held for p in params))
     kept = {t for t, (_, params) in quantized.items() if params and all(p in held for p in params)}
     plan.kept = frozenset(kept)
@@ -107,6 +118,10 @@ def to_meta_blocks(model: nn.Module, plan: BlockPlan) -> None:
         m = model.get_submodule(name)
         shape = (m.out_features, row_bytes(qtype, m.in_features))
         m.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
+    if plan.embedding:
+        table = model.embed_tokens
+        shape = (table.num_embeddings, row_bytes(plan.embedding, table.embedding_dim))
+        table.weight = nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False)
     for name, qtype in plan.experts.items():
         owner, _, attr = name.rpartition(".")
         m = model.get_submodule(owner)
@@ -125,6 +140,12 @@ def finish_blocks(model: nn.Module, plan: BlockPlan) -> None:
     for name, qtype in plan.experts.items():
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), f"{attr}_format", qtype)  # Experts.gate_up_format / down_format
+    if plan.embedding:
+        table = model.embed_tokens
+        table.weight_format = plan.embedding
+        if model.lm_head.weight is table.weight:  # tied: the head multiplies by the same blocks
+            set_block_weight(model.lm_head, table.weight.data, plan.embedding)
+            model.lm_head.weight = table.weight
 
 
 def dequantized_line(file, plan: BlockPlan, dtype: torch.dtype) -> str | None:

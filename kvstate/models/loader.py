@@ -167,8 +167,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         sources = [_gguf_tensor_source(files[0])]
         keep = dtype == torch.float32 and (wanted is None or quantize)  # a float dtype asked for: dequantize
         blocks = plan_blocks(model, sources[0], plan.config, targets_of, keep)
+    matrices = dtype  # the dtype of the float matrices (what a dequantized tensor becomes)
     if dtype == torch.float32:
-        set_weight_dtype(model, (None if quantize else wanted) or checkpoint_weight_dtype(sources, blocks.kept))
+        matrices = (None if quantize else wanted) or checkpoint_weight_dtype(sources, blocks.kept)
+        set_weight_dtype(model, matrices)
     to_meta_blocks(model, blocks)
     model.to_empty(device="cpu")
     if plan.tie_word_embeddings:  # to_empty gives each module its own tensor: tie the head again
@@ -197,7 +199,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
         where = files[0].resolve() if is_gguf(files[0]) else path  # the GGUF file, not the folder standing for it
         raise KvstateError(f"{where}: checkpoint is missing tensors for {shown}")
     finish_blocks(model, blocks)
-    if line := dequantized_line(files[0].resolve(), blocks, model.embed_tokens.weight.dtype):
+    if line := dequantized_line(files[0].resolve(), blocks, matrices):
         print(line, file=sys.stderr)
     if quantize:
         name = canonical_weight_dtype(weight_dtype)
