@@ -7,7 +7,9 @@ those files. A SentencePiece BPE ("llama" model: Llama 2, Jamba, ...) is stored 
 and no merges: llama.cpp's tokenizer merges the adjacent pair whose joined piece scores highest and
 falls back to <0xNN> byte tokens; here that is a BPE whose merges are every split of every piece,
 ranked by the piece's score (as transformers' GGUF reader builds it), with byte_fallback, "▁" for
-spaces and one "▁" before the text when `tokenizer.ggml.add_space_prefix` (the default) says so.
+spaces and, when `tokenizer.ggml.add_space_prefix` (the default) says so, one more "▁" before the text
+and after each special token (Llama 2's tokenizer.json normalizer, which llama.cpp's own test vectors
+of its SentencePiece vocabulary follow).
 Unknown, control and user-defined tokens become added tokens (the first two special), as llama.cpp
 matches them in the text. Torch-free.
 """
@@ -89,12 +91,14 @@ def _model(reader, model: str, tokens: list[str], types: list[int]) -> dict[str,
     if unk is None and _UNKNOWN in types:
         unk = types.index(_UNKNOWN)
     prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
+    # llama.cpp puts a space before the text and after each special token, even where one is there already
+    prepend = [{"type": "Prepend", "prepend": _SPACE}] if prefix else []
     decoders = [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "}, {"type": "ByteFallback"},
                 {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])
     return {"model": {**bpe, "unk_token": tokens[unk] if unk is not None else None, "fuse_unk": True,
                       "byte_fallback": True, "merges": _score_merges(tokens, scores)},
-            "pre_tokenizer": {"type": "Metaspace", "replacement": _SPACE, "split": False,
-                              "prepend_scheme": "first" if prefix else "never"},
+            "normalizer": {"type": "Sequence", "normalizers": prepend + [
+                {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}]}, "pre_tokenizer": None,
             "decoder": {"type": "Sequence", "decoders": decoders}, "post_processor": _bos_template(reader, tokens)}
 
 

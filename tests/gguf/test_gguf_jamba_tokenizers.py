@@ -24,14 +24,14 @@ TEXTS = ["Hello world, 12345 tokens!", "def f(x):\n    return x  # élan ünïco
 
 
 def spm_tokenizer(folder: Path) -> None:
-    """A SentencePiece-style BPE tokenizer (as transformers converts Llama's): "▁" for spaces and one before
-    the text, byte fallback to <0xNN> tokens; trained on kvstate's sources, no download."""
+    """A SentencePiece-style BPE tokenizer as Llama 2's tokenizer.json has it: "▁" for spaces and one more before
+    the text (and after a special token), byte fallback to <0xNN> tokens; trained on kvstate's sources."""
     from tokenizers import Tokenizer as Tok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tok(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -216,3 +216,24 @@ def test_lfm2_pre_tokenizer_takes_whole_words_and_adds_bos_as_llama3s(tmp_path):
         assert ours.encode(text) == theirs.encode(text), text
         assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
     assert ours.encode("a zzqq")[:1] == [0] and vocab["\u0120zzqq"] in ours.encode("a zzqq")
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "llama-bpe"])
+def test_tokenizer_gives_llama_cpps_own_test_vectors(vocab):
+    """llama.cpp's vocabulary test files (models/ggml-vocab-*.gguf, .inp, .out: Llama 2's SentencePiece and Llama
+    3's byte-level BPE, the tokens its test-tokenizer-0 expects, without BOS): every input encodes to them."""
+    from tests.gguf.conftest import LLAMA_CPP
+    from tokenizers import Tokenizer as Tok
+
+    from kvstate.gguf.fields import open_reader
+    from kvstate.gguf.tokenizer import tokenizer_files
+
+    path = LLAMA_CPP / "models" / f"ggml-vocab-{vocab}.gguf"
+    if not path.with_name(path.name + ".out").is_file():
+        pytest.skip(f"no llama.cpp vocabulary tests at {path.parent}")
+    tok = Tok.from_str(json.dumps(tokenizer_files(open_reader(path))[0]))
+    inputs = path.with_name(path.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    outputs = path.with_name(path.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(inputs) >= 40 and len(outputs) >= len(inputs)
+    for text, out in zip(inputs, outputs):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(t) for t in out.split()], repr(text)
