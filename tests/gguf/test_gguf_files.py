@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
-BLOCK_TYPES = [GGMLQuantizationType[q] for q in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")]
+BLOCK_TYPES = [GGMLQuantizationType[q] for q in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")]
 
 
 def _block_bytes(model) -> dict[str, int]:
