@@ -59,6 +59,23 @@ def test_nemotron_h_q8_0_file_keeps_blocks_through_the_q_k_permutation(converted
         assert float((got - want).norm() / want.norm()) <= 1e-5
 
 
+def test_nemotron_h_moe_q8_0_file_gives_the_dequantized_models_logits(converted, tmp_path):
+    """MoE blocks (experts, shared expert, latent projections) quantized; the routers stay F32, as llama-quantize
+    leaves them."""
+    from gguf import GGUFReader
+
+    qtype = GGMLQuantizationType.Q8_0
+    src = converted["nemotron_moe"]
+    keep = {"token_embd.weight"} | {t.name for t in GGUFReader(str(src)).tensors if "ffn_gate_inp" in t.name}
+    quant = rewrite(src, tmp_path / "nhm-q8.gguf", qtype=qtype, keep=keep)
+    ref = rewrite(src, tmp_path / "nhm-ref.gguf", qtype=qtype, keep=keep, dequantized=True, rounded=())
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    assert model.layers[3].ffn.shared_experts.up_proj.weight_format == "Q8_0"
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
 def test_blocks_kept_need_float32_activations_or_are_dequantized(converted, tmp_path, capsys):
     quant = rewrite(converted["f32"], tmp_path / "q8.gguf", qtype=GGMLQuantizationType.Q8_0)
     model, _ = load_model(quant, weight_dtype="bf16")  # a float dtype asked for: every tensor dequantized
