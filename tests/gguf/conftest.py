@@ -98,3 +98,23 @@ def converted(tmp_path_factory):
         no_mtp = kind not in ("mamba2", "nemotron_h", "nemotron_moe")  # families whose converter refuses --no-mtp
         out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf", no_mtp=no_mtp)
     return out
+
+
+def convert_tiny_qwen35(root: Path, seed: int, intermediate_size: int = 96, **overrides) -> tuple[Path, Path]:
+    """(checkpoint, f32 GGUF by llama.cpp's converter) of a tiny Qwen3.5 (tests.models.test_qwen3_5's TEXT
+    with `overrides`), random weights of `seed`; skipped where the llama.cpp source tree is absent."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kvstate.bench.llama_cpp import convert
+    from tests.models.checks import redraw_weights
+    from tests.models.test_qwen3_5 import TEXT
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP}")
+    torch.manual_seed(seed)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=intermediate_size,
+                                              **{**TEXT, "vocab_size": VOCAB, **overrides})).eval()
+    redraw_weights(hf, seed)
+    hf.save_pretrained(root / "ckpt")
+    _tokenizer(root / "ckpt")
+    return root / "ckpt", convert(LLAMA_CPP, root / "ckpt", "f32", root / "f32.gguf")
