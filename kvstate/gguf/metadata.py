@@ -13,27 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KvstateError
-
-
-def open_reader(path: str | os.PathLike):
-    """A gguf.GGUFReader on `path` (memory-mapped); a file it cannot parse is one KvstateError."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except FileNotFoundError:
-        raise KvstateError(f"{path}: no such file") from None
-    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on a bad or truncated file
-        text = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-        raise KvstateError(f"{path}: not a readable GGUF file ({text})") from None
-    reader.source = Path(path)  # for messages: the reader keeps no name of its file
-    return reader
-
-
-def field(reader, key: str, default: Any = None) -> Any:
-    """A metadata value as Python (str, int, float, bool or list), or `default` when absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+from kvstate.gguf.fields import field, has_tensor, open_reader
+from kvstate.gguf.hybrid_configs import falcon_h1, granitehybrid, jamba, kimi_linear, lfm2
 
 
 def _qwen35(reader, arch: str) -> dict[str, Any]:
@@ -63,7 +44,7 @@ def _qwen35(reader, arch: str) -> dict[str, Any]:
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
         rope_parameters=dict(rope_type="default", rope_theta=get("rope.freq_base"),
                              partial_rotary_factor=get("rope.dimension_count") / head_dim),
-        hidden_act="silu", attention_bias=False, tie_word_embeddings=not _has_tensor(reader, "output.weight"),
+        hidden_act="silu", attention_bias=False, tie_word_embeddings=not has_tensor(reader, "output.weight"),
     )
     if arch == "qwen35":
         cfg["intermediate_size"] = get("feed_forward_length")
@@ -89,15 +70,16 @@ def _mamba2(reader, arch: str) -> dict[str, Any]:
                 state_size=get("ssm.state_size"), expand=inner // hidden, n_groups=get("ssm.group_count"),
                 num_heads=heads, head_dim=inner // heads, conv_kernel=get("ssm.conv_kernel"),
                 layer_norm_epsilon=get("attention.layer_norm_rms_epsilon"),
-                use_conv_bias=_has_tensor(reader, "blk.0.ssm_conv1d.bias"),
-                use_bias=_has_tensor(reader, "blk.0.ssm_in.bias"),
-                tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+                use_conv_bias=has_tensor(reader, "blk.0.ssm_conv1d.bias"),
+                use_bias=has_tensor(reader, "blk.0.ssm_in.bias"),
+                tie_word_embeddings=not has_tensor(reader, "output.weight"))
 
 
 def _nemotron_h(reader, arch: str) -> dict[str, Any]:
     """nemotron_h and nemotron_h_moe (conversion/nemotron.py: NemotronHModel; a checkpoint whose config has
     MoE fields, as transformers writes every one, becomes nemotron_h_moe even without experts). Each
-    block's kind is read from its tensors (the feed_forward_length array marks only the MoE blocks there)."""
+    block's kind is read from its tensors (the feed_forward_length array marks only the MoE blocks there).
+    MoE blocks: relu^2 experts (up and down), a shared expert, an optional latent projection around them."""
     def get(key, default=None):
         value = field(reader, f"{arch}.{key}", default)
         if value is None:
@@ -112,11 +94,8 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
                 else "E" if f"blk.{i}.ffn_up_exps.weight" in names else "-" if f"blk.{i}.ffn_up.weight" in names
                 else None)
         if kind is None:
-            raise KvstateError(f"{reader.source}: block {i} has no mixer or MLP tensors (blk.{i}.ssm_in, attn_q, "
-                               "ffn_up)")
-        if kind == "E":
-            raise KvstateError(f"{reader.source}: block {i} is a MoE block; kvstate reads Nemotron-H GGUF files "
-                               "with Mamba-2, attention and MLP blocks (M * -)")
+            raise KvstateError(f"{reader.source}: block {i} has no mixer, MLP or MoE tensors (blk.{i}.ssm_in, attn_q, "
+                               "ffn_up, ffn_up_exps)")
         pattern += kind
     inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
     first = {k: pattern.index(k) for k in "M*-" if k in pattern}
@@ -128,7 +107,7 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
                mamba_num_heads=heads, mamba_head_dim=inner // heads, ssm_state_size=get("ssm.state_size"),
                n_groups=get("ssm.group_count"), conv_kernel=get("ssm.conv_kernel"), layer_norm_epsilon=eps,
                max_position_embeddings=get("context_length"),
-               tie_word_embeddings=not _has_tensor(reader, "output.weight"))
+               tie_word_embeddings=not has_tensor(reader, "output.weight"))
     if "M" in first:
         cfg.update(use_conv_bias=f"blk.{first['M']}.ssm_conv1d.bias" in names,
                    use_bias=f"blk.{first['M']}.ssm_in.bias" in names)
@@ -137,17 +116,21 @@ def _nemotron_h(reader, arch: str) -> dict[str, Any]:
     if "-" in first:
         up = names[f"blk.{first['-']}.ffn_up.weight"]
         cfg.update(intermediate_size=int(up.shape[-1]), mlp_bias=f"blk.{first['-']}.ffn_up.bias" in names)
+    if "E" in pattern:  # routing as llama.cpp runs it: sigmoid scores, its defaults where a key is absent
+        cfg.update(n_routed_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"),
+                   moe_shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0),
+                   moe_latent_size=get("moe_latent_size", 0), norm_topk_prob=get("expert_weights_norm", False),
+                   routed_scaling_factor=get("expert_weights_scale", 1.0), n_group=get("expert_group_count", 1),
+                   topk_group=get("expert_group_used_count", 1))
     return cfg
 
 
 # GGUF architecture -> its config reader
 ARCHITECTURES = {"qwen35": _qwen35, "qwen35moe": _qwen35, "qwen3next": _qwen35, "mamba2": _mamba2,
-                 "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h}
+                 "nemotron_h": _nemotron_h, "nemotron_h_moe": _nemotron_h, "lfm2": lfm2, "falcon-h1": falcon_h1,
+                 "granitehybrid": granitehybrid, "jamba": jamba, "kimi-linear": kimi_linear}
 MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
-
-
-def _has_tensor(reader, name: str) -> bool:
-    return any(t.name == name for t in reader.tensors)
 
 
 def vocab_size(reader) -> int:
@@ -189,6 +172,16 @@ def check_tensor_types(reader) -> None:
                                f"cannot read (supported: F32, F16, BF16 and the types gguf dequantizes)")
 
 
+def matrix_dtype_name(reader, kept: frozenset[str] = frozenset()) -> str:
+    """"bfloat16" when the file's matrices are mostly 16-bit or quantized (the loader holds them so), else
+    "float32"; the matrices named in `kept` (held as blocks) do not count."""
+    sizes = {"bfloat16": 0, "float32": 0}
+    for t in reader.tensors:
+        if len(t.shape) >= 2 and t.name not in kept:
+            sizes["float32" if t.tensor_type.name == "F32" else "bfloat16"] += int(t.n_elements)
+    return "bfloat16" if sizes["bfloat16"] > sizes["float32"] else "float32"
+
+
 def config_of(reader) -> dict[str, Any]:
     """The HF config dict of an open reader (its tensor types checked: a file kvstate cannot run is refused
     before any plan is made of it)."""
@@ -198,6 +191,7 @@ def config_of(reader) -> dict[str, Any]:
     cfg["vocab_size"] = vocab_size(reader)
     cfg["_name_or_path"] = field(reader, "general.name") or Path(reader.source).stem
     cfg["gguf_architecture"] = arch
+    cfg["dtype"] = matrix_dtype_name(reader)  # the model's dtype, as a checkpoint's config says it: the KV default
     cfg["gguf_tensor_bytes"] = sum(int(t.n_bytes) for t in reader.tensors)  # the weights as the file holds them
     for key, hf in (("tokenizer.ggml.eos_token_id", "eos_token_id"), ("tokenizer.ggml.bos_token_id", "bos_token_id")):
         if (value := field(reader, key)) is not None:

@@ -8,7 +8,11 @@ more value heads than key heads, reorders the value heads from grouped-by-key-he
 a, b projections, A and dt_bias, the conv's value channels, the out projection's columns). Each
 is inverted here, so the family adapter maps the result like the safetensors checkpoint (merged
 expert tensors are split back into one tensor per expert). Mamba-2's converter stores A the same
-way, A and D as [heads, 1] and the gated norm as [groups, inner / groups].
+way, A and D as [heads, 1] and the gated norm as [groups, inner / groups] (Falcon-H1's too, its muP
+multipliers folded into the weights, which the config read back leaves at 1); Nemotron-H's also permutes
+q and k rows. LFM2's, Jamba's and Kimi Linear's only reshape their conv weights (and store A as above,
+in the checkpoint's shape); Kimi Linear's MLA kv_b_proj is split in two (joined back here). Names:
+`kvstate.gguf.names`.
 F32, F16 and BF16 tensors keep their dtype. A matrix of a block type kvstate multiplies
 (`kernels.blocks.SUPPORTED`) that the loader keeps as blocks comes as `Blocks`: the file's raw rows,
 the transforms done on whole rows (and, for the out projection's columns, on whole blocks, or where a
@@ -18,7 +22,6 @@ quantized tensor is dequantized with gguf's own `dequantize` to bfloat16.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,70 +30,11 @@ import numpy as np
 import torch
 
 from kvstate.errors import KvstateError
-from kvstate.gguf.metadata import check_tensor_types, open_reader
+from kvstate.gguf.metadata import check_tensor_types, matrix_dtype_name, open_reader
+from kvstate.gguf.names import MAMBA_ARCHS, hf_name
 
 _RAW = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANT_ROWS = 4096
-
-# blk.{i}.<gguf name> -> model.layers.{i}.<HF name>
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight", "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight", "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # qwen3next: still fused, as in its checkpoint
-    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-# the experts, merged into one [experts, out, in] tensor each: -> mlp.experts.{e}.<name>
-_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
-            "ffn_down_exps.weight": "down_proj.weight"}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_norm.weight": "model.norm.weight"}
-# Mamba-2 (conversion/mamba.py): the checkpoint's backbone.* names
-_MAMBA2_LAYER = {
-    "attn_norm.weight": "norm.weight", "ssm_a": "mixer.A_log", "ssm_d": "mixer.D", "ssm_dt.bias": "mixer.dt_bias",
-    "ssm_conv1d.weight": "mixer.conv1d.weight", "ssm_conv1d.bias": "mixer.conv1d.bias",
-    "ssm_in.weight": "mixer.in_proj.weight", "ssm_in.bias": "mixer.in_proj.bias",
-    "ssm_norm.weight": "mixer.norm.weight",
-    "ssm_out.weight": "mixer.out_proj.weight", "ssm_out.bias": "mixer.out_proj.bias",
-}
-_MAMBA2_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output.weight": "lm_head.weight",
-                  "output_norm.weight": "backbone.norm_f.weight"}
-# Nemotron-H (conversion/nemotron.py): Mamba-2 blocks as above, attention and relu2 MLP blocks under `mixer`
-_NEMOTRON_H_LAYER = {**_MAMBA2_LAYER, **{f"{g}.{kind}": f"mixer.{h}.{kind}" for g, h in (
-    ("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj"),
-    ("ffn_up", "up_proj"), ("ffn_down", "down_proj")) for kind in ("weight", "bias")}}
-# architecture -> (global names, per-layer names, layer prefix)
-_NAMES = {"mamba2": (_MAMBA2_GLOBAL, _MAMBA2_LAYER, "backbone.layers"),
-          "nemotron_h": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers"),
-          "nemotron_h_moe": (_MAMBA2_GLOBAL, _NEMOTRON_H_LAYER, "backbone.layers")}
-_MAMBA_ARCHS = ("mamba2", "nemotron_h", "nemotron_h_moe")
-_QWEN = (_GLOBAL, _LAYER, "model.layers")
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(name: str, arch: str = "qwen35") -> str | None:
-    """The checkpoint name of a GGUF tensor name, or None for a name this architecture does not have."""
-    glob, layer, prefix = _NAMES.get(arch, _QWEN)
-    if name in glob:
-        return glob[name]
-    m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in layer:
-        return f"{prefix}.{m.group(1)}.{layer[m.group(2)]}"
-    if m and layer is _LAYER and m.group(2) in _EXPERTS:  # a pattern: one name per expert ({e})
-        return f"{prefix}.{m.group(1)}.mlp.experts.{{e}}.{_EXPERTS[m.group(2)]}"
-    return None
-
 
 def _tiled_to_grouped(t: torch.Tensor, dim: int, k_heads: int, per_k: int, head_dim: int) -> torch.Tensor:
     """Inverse of the converter's `_reorder_v_heads`: [per_k, k_heads, head_dim] back to [k_heads, per_k, head_dim]."""
@@ -142,13 +86,16 @@ def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
 def undo_transforms(name: str, t: torch.Tensor, cfg: dict[str, Any], qtype: str | None = None) -> torch.Tensor:
     """The checkpoint's tensor from the converter's, for the checkpoint name `name`; with `qtype`, `t` is
     rows of that type's blocks (uint8 [N, bytes per row]: see `input_order`)."""
+    arch = cfg["gguf_architecture"]
     if name.endswith("A_log"):
         t = torch.log(-t.float())
-    if cfg["gguf_architecture"] in _MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
-        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+    if arch in ("lfm2", "jamba", "kimi-linear"):  # else only conv weights reshaped, which the loader takes as they are
+        return t
+    if arch in MAMBA_ARCHS:  # A, D stored [heads, 1], the gated norm [groups, inner / groups]
+        if arch != "falcon-h1" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
             return _unpermute(t, heads)
-        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight")) else t
+        return t.reshape(-1) if name.endswith(("A_log", ".D", "mixer.norm.weight", "mamba.norm.weight")) else t
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         t = t.float() - 1
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
@@ -207,11 +154,7 @@ def reader_of(source):
 def matrix_dtype(source, kept: frozenset[str] = frozenset()) -> torch.dtype:
     """bfloat16 when the file's matrices are mostly 16-bit or quantized (kept as bf16), else float32;
     the matrices named in `kept` (held as blocks) do not count. `source`: a path or an open reader."""
-    sizes = {"bf16": 0, "fp32": 0}
-    for t in reader_of(source).tensors:
-        if len(t.shape) >= 2 and t.name not in kept:
-            sizes["fp32" if t.tensor_type.name == "F32" else "bf16"] += int(t.n_elements)
-    return torch.bfloat16 if sizes["bf16"] > sizes["fp32"] else torch.float32
+    return torch.float32 if matrix_dtype_name(reader_of(source), kept) == "float32" else torch.bfloat16
 
 
 def tensor_types(source, cfg: dict[str, Any]) -> Iterator[tuple[str, str, str, tuple[int, ...]]]:
@@ -231,12 +174,23 @@ def _raw_rows(tensor) -> torch.Tensor:
     return torch.from_numpy(data.reshape(data.shape[0], -1).copy())
 
 
+def _kv_b(halves: tuple[dict, dict]) -> Iterator[tuple[str, torch.Tensor]]:
+    """kv_b_proj of each layer whose k_b and v_b are both read: the inverse of the converter's split, k_b
+    [heads, kv_lora, nope] transposed back and v_b [heads, v, kv_lora] put after it, head by head."""
+    k_halves, v_halves = halves
+    for prefix in [p for p in k_halves if p in v_halves]:
+        k_b, v_b = k_halves.pop(prefix), v_halves.pop(prefix)
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b.to(k_b.dtype)], dim=1)  # [heads, nope + v, kv_lora]
+        yield f"{prefix}kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+
+
 def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) of each tensor of the GGUF file `source` (a path or an open reader): a
     `Blocks` for those named in `blocks` (GGUF names), else a torch tensor; an unknown name is one KvstateError."""
     reader = reader_of(source)
     path = reader.source
     check_tensor_types(reader)  # before any work: a type nothing reads fails the load at once
+    halves: tuple[dict, dict] = ({}, {})  # MLA k_b and v_b, by their layer's prefix, till both are read
     for tensor in reader.tensors:
         name = hf_name(tensor.name, cfg["gguf_architecture"])
         if name is None:
@@ -251,7 +205,10 @@ def hf_tensors(source, cfg: dict[str, Any], blocks: frozenset[str] = frozenset()
             yield name, Blocks(undo_transforms(name, _raw_rows(tensor), cfg, qtype), qtype)
             continue
         data = undo_transforms(name, to_torch(tensor, path), cfg)
-        if "{e}" in name:
+        if name.endswith(("self_attn.k_b_proj.weight", "self_attn.v_b_proj.weight")):  # Kimi Linear's MLA
+            halves[name.endswith("v_b_proj.weight")][name[:-len("k_b_proj.weight")]] = data
+            yield from _kv_b(halves)
+        elif "{e}" in name:
             for e in range(data.shape[0]):
                 yield name.format(e=e), data[e]
         else:

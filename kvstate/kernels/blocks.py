@@ -1,4 +1,4 @@
-"""Weights kept as GGML quantized blocks (a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), math in fp32.
+"""Weights kept as GGML quantized blocks (a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), fp32 math.
 
 `set_block_weight(linear, raw, qtype)` makes a `kernels.Linear` hold the rows of blocks exactly as a
 GGUF file stores them (uint8 [N, bytes per row], ggml-common.h's layout) in place of its weight;

@@ -1,7 +1,7 @@
 """GGML's quantized block formats (ggml-common.h), read in torch: sizes and exact dequantization.
 
 A GGUF file stores each row of a quantized matrix as consecutive blocks; a block holds the codes of
-32 (Q8_0, Q4_0) or 256 (the K-quants, IQ4_XS) weights and the fp16 scales they share. `dequantize`
+32 (Q8_0, Q4_0, IQ4_NL) or 256 (the K-quants, IQ4_XS) weights and the fp16 scales they share. `dequantize`
 turns rows of raw blocks (uint8 [N, bytes per row]) into the exact fp32 weights the format means,
 with the products in the order ggml's own dequantizer takes them (d * sc first, then times the
 code), so the result equals `gguf.quants.dequantize` bit for bit.
@@ -28,7 +28,11 @@ TYPES = {t.name: t for t in (
     BlockType("Q4_K", 12, 256, 144),
     BlockType("Q5_K", 13, 256, 176),
     BlockType("Q6_K", 14, 256, 210),
+    BlockType("IQ4_NL", 20, 32, 18),
+    BlockType("IQ4_XS", 23, 256, 136),
 )}
+# the 16 non-uniform levels of IQ4_NL and IQ4_XS (ggml-common.h kvalues_iq4nl)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BY_ID = {t.type_id: t for t in TYPES.values()}
 
 
@@ -98,7 +102,29 @@ def _q6_k(b):  # [R, 210]: ql[128], qh[64], scales int8[16], d
     return (scale * q).reshape(-1, 256)
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _iq4_codes(qs: torch.Tensor) -> torch.Tensor:
+    """qs [R, 16] -> levels [R, 32] as floats: weight j < 16 from the low nibble of qs[j], j >= 16 the high one."""
+    levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32)
+    return levels[torch.cat([qs & 0xF, qs >> 4], dim=1).long()]
+
+
+def _iq4_nl(b):  # [R, 18]: d, qs[16]
+    return _f16(b[:, :2]) * _iq4_codes(b[:, 2:])
+
+
+def _iq4_xs(b):  # [R, 136]: d, scales_h (u16), scales_l[4], qs[128]; sub-block j's 6-bit scale ls, dl = d * (ls - 32)
+    d = _f16(b[:, 0:2])
+    high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [R, 1]
+    low = b[:, 4:8].to(torch.int32)
+    j = torch.arange(8)
+    ls = ((low[:, j // 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4)  # [R, 8]
+    dl = d * (ls - 32).float()
+    q = _iq4_codes(b[:, 8:].reshape(-1, 16)).reshape(-1, 8, 32)
+    return (dl[:, :, None] * q).reshape(-1, 256)
+
+
+_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl,
+            "IQ4_XS": _iq4_xs}
 
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:

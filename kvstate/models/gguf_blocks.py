@@ -4,7 +4,7 @@ A projection (`kernels.Linear`) holds blocks (`kernels.blocks.set_block_weight`)
 that fills it is a matrix of one block type kvstate multiplies (`SUPPORTED`) and lands on whole rows
 of its weight: rows are runs of whole blocks, so tensors concatenated along rows (q/k/v into one
 weight, one fused tensor split into two) concatenate or split as blocks too. Everything else is
-dequantized to bf16 and the load says so in one line: other types (IQ4_NL, Q2_K, ...), a weight
+dequantized to bf16 and the load says so in one line: other types (Q2_K, Q3_K, IQ2_XS, ...), a weight
 that mixes types or takes part float tensors, and the projections a layer reads as a tensor
 (`weight_read`). The embedding table keeps its blocks too (`kernels.Embedding` dequantizes the rows
 it looks up), and a tied LM head multiplies by the same blocks. MoE expert

@@ -46,9 +46,9 @@ def _tokenizer(path: Path) -> None:
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """{"f32", "bf16", "moe", "next", "mamba2", "nemotron_h"} and each with "ckpt-" -> path: the GGUF files
-    and their checkpoints (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE, Qwen3-Next, Mamba-2 and a
-    Nemotron-H of Mamba-2, attention and MLP blocks in fp32)."""
+    """{"f32", "bf16", "moe", "next", "mamba2", "nemotron_h", "nemotron_moe"} and each with "ckpt-" -> path: the
+    GGUF files and their checkpoints (Qwen3.5 dense in fp32 and bf16; Qwen3.5 MoE, Qwen3-Next, Mamba-2, a
+    Nemotron-H of Mamba-2, attention and MLP blocks and one with MoE blocks too, in fp32)."""
     if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP} (set KVSTATE_LLAMA_CPP_SOURCE)")
     from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
@@ -86,11 +86,35 @@ def converted(tmp_path_factory):
     torch.manual_seed(4)  # Mamba-2, attention and MLP blocks (the converter writes nemotron_h_moe: MoE fields)
     nemotron = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, "vocab_size": VOCAB,
                                                        "hybrid_override_pattern": "M*-M-*"})).eval()
-    for kind, model in (("moe", moe), ("next", nxt), ("mamba2", mamba2), ("nemotron_h", nemotron)):
+    torch.manual_seed(5)  # and MoE blocks: relu^2 experts in 2 routing groups, a shared expert, a latent projection
+    nemotron_moe = NemotronHForCausalLM(NemotronHConfig(**{**NEMOTRON_H, "vocab_size": VOCAB, "moe_latent_size": 40,
+                                                           "hybrid_override_pattern": "M*-EM*E"})).eval()
+    for kind, model in (("moe", moe), ("next", nxt), ("mamba2", mamba2), ("nemotron_h", nemotron),
+                        ("nemotron_moe", nemotron_moe)):
         redraw_weights(model, 1)
         model.save_pretrained(root / f"ckpt-{kind}")
         _tokenizer(root / f"ckpt-{kind}")
         out[f"ckpt-{kind}"] = root / f"ckpt-{kind}"
-        no_mtp = kind not in ("mamba2", "nemotron_h")  # families whose converter refuses --no-mtp
+        no_mtp = kind not in ("mamba2", "nemotron_h", "nemotron_moe")  # families whose converter refuses --no-mtp
         out[kind] = convert(LLAMA_CPP, root / f"ckpt-{kind}", "f32", root / f"{kind}.gguf", no_mtp=no_mtp)
     return out
+
+
+def convert_tiny_qwen35(root: Path, seed: int, intermediate_size: int = 96, **overrides) -> tuple[Path, Path]:
+    """(checkpoint, f32 GGUF by llama.cpp's converter) of a tiny Qwen3.5 (tests.models.test_qwen3_5's TEXT
+    with `overrides`), random weights of `seed`; skipped where the llama.cpp source tree is absent."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kvstate.bench.llama_cpp import convert
+    from tests.models.checks import redraw_weights
+    from tests.models.test_qwen3_5 import TEXT
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP}")
+    torch.manual_seed(seed)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=intermediate_size,
+                                              **{**TEXT, "vocab_size": VOCAB, **overrides})).eval()
+    redraw_weights(hf, seed)
+    hf.save_pretrained(root / "ckpt")
+    _tokenizer(root / "ckpt")
+    return root / "ckpt", convert(LLAMA_CPP, root / "ckpt", "f32", root / "f32.gguf")

@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 
 # where each block type keeps its fp16 scales (byte offsets) and how large a scale keeps weights below ~0.1
 _SCALES = {"Q8_0": ((0,), 1e-3), "Q4_0": ((0,), 1e-2), "Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5),
-           "Q6_K": ((208,), 2e-5)}
+           "Q6_K": ((208,), 2e-5), "IQ4_NL": ((0,), 1e-3), "IQ4_XS": ((0,), 3e-5)}
 
 
 def quantizable(tensor, qtype: GGMLQuantizationType | None = None, experts: bool = False) -> bool:

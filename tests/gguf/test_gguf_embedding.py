@@ -17,23 +17,9 @@ SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     """(checkpoint, f32 GGUF) of a tiny Qwen3.5 whose LM head is its embedding table (no output.weight)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from tests.gguf.conftest import convert_tiny_qwen35
 
-    from kvstate.bench.llama_cpp import convert
-    from tests.gguf.conftest import LLAMA_CPP, VOCAB, _tokenizer
-    from tests.models.checks import redraw_weights
-    from tests.models.test_qwen3_5 import TEXT
-
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP}")
-    root = tmp_path_factory.mktemp("tied")
-    torch.manual_seed(6)
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=96, tie_word_embeddings=True,
-                                              **{**TEXT, "vocab_size": VOCAB})).eval()
-    redraw_weights(hf, 3)
-    hf.save_pretrained(root / "ckpt")
-    _tokenizer(root / "ckpt")
-    return root / "ckpt", convert(LLAMA_CPP, root / "ckpt", "f32", root / "f32.gguf")
+    return convert_tiny_qwen35(tmp_path_factory.mktemp("tied"), 6, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0], ids=lambda q: q.name)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
-BLOCK_TYPES = [GGMLQuantizationType[q] for q in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")]
+BLOCK_TYPES = [GGMLQuantizationType[q] for q in ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")]
 
 
 def _block_bytes(model) -> dict[str, int]:
@@ -55,6 +55,23 @@ def test_nemotron_h_q8_0_file_keeps_blocks_through_the_q_k_permutation(converted
     model, _ = load_model(quant)
     want_model, _ = load_model(ref)
     assert model.layers[1].mixer.q_proj.weight_format == "Q8_0"
+    for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_nemotron_h_moe_q8_0_file_gives_the_dequantized_models_logits(converted, tmp_path):
+    """MoE blocks (experts, shared expert, latent projections) quantized; the routers stay F32, as llama-quantize
+    leaves them."""
+    from gguf import GGUFReader
+
+    qtype = GGMLQuantizationType.Q8_0
+    src = converted["nemotron_moe"]
+    keep = {"token_embd.weight"} | {t.name for t in GGUFReader(str(src)).tensors if "ffn_gate_inp" in t.name}
+    quant = rewrite(src, tmp_path / "nhm-q8.gguf", qtype=qtype, keep=keep)
+    ref = rewrite(src, tmp_path / "nhm-ref.gguf", qtype=qtype, keep=keep, dequantized=True, rounded=())
+    model, _ = load_model(quant)
+    want_model, _ = load_model(ref)
+    assert model.layers[3].ffn.shared_experts.up_proj.weight_format == "Q8_0"
     for got, want in zip(forward_logits(model, SEQS), forward_logits(want_model, SEQS)):
         assert float((got - want).norm() / want.norm()) <= 1e-5
 

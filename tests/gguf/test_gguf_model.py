@@ -1,6 +1,6 @@
 """A GGUF file made by llama.cpp's own converter loads into the model the checkpoint gives: same plan,
-same logits (F32 and BF16 files; Qwen3.5 dense and MoE, Qwen3-Next, Mamba-2, Nemotron-H), same tokenizer and chat
-template."""
+same logits (F32 and BF16 files; Qwen3.5 dense and MoE, Qwen3-Next, Mamba-2, Nemotron-H with and without
+MoE blocks), same tokenizer and chat template."""
 
 import json
 
@@ -17,7 +17,7 @@ SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
 
 def test_gguf_plan_is_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h"):
+    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h", "nemotron_moe"):
         ours, theirs = read_plan(converted[kind]), read_plan(converted[f"ckpt-{kind}"])
         assert ours.layer_string == theirs.layer_string
         assert ours.layers == theirs.layers
@@ -26,7 +26,7 @@ def test_gguf_plan_is_the_checkpoints(converted):
 
 
 def test_gguf_logits_equal_the_checkpoints(converted):
-    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h"):
+    for kind in ("f32", "bf16", "moe", "next", "mamba2", "nemotron_h", "nemotron_moe"):
         ref, _ = load_model(converted[f"ckpt-{kind}"])
         model, plan = load_model(converted[kind])
         dtype = torch.bfloat16 if kind == "bf16" else torch.float32

@@ -5,14 +5,13 @@ projection keeps the file's blocks in the file's order and permutes its input (`
 no bf16 copy, the dequantized model's logits, per op and in the compiled decode blocks alike."""
 
 import pytest
-import torch
 from gguf import GGMLQuantizationType
 
-from kvstate.models import decode_blocks
 from kvstate.models.generate import forward_logits
 from kvstate.models.loader import load_model
 from tests.gguf.rewrite import rewrite
 from tests.kernels.conftest import extension
+from tests.models.test_decode_blocks import assert_all_compiled_equal_per_op
 
 SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 
@@ -20,27 +19,13 @@ SEQS = [[5, 17, 42, 99, 250, 3, 7, 8, 120, 77, 64, 31, 2], [11]]
 @pytest.fixture(scope="module")
 def wide_heads(tmp_path_factory):
     """(checkpoint, f32 GGUF): 2 key heads, 4 value heads of 64 (out projection K = 256 = one Q4_K block)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from tests.gguf.conftest import convert_tiny_qwen35
 
-    from kvstate.bench.llama_cpp import convert
-    from tests.gguf.conftest import LLAMA_CPP, VOCAB, _tokenizer
-    from tests.models.checks import redraw_weights
-    from tests.models.test_qwen3_5 import TEXT
-
-    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"no llama.cpp source tree at {LLAMA_CPP}")
-    root = tmp_path_factory.mktemp("heads")
-    torch.manual_seed(5)
-    cfg = {**TEXT, "vocab_size": VOCAB, "hidden_size": 256, "head_dim": 64, "linear_key_head_dim": 64,
-           "linear_value_head_dim": 64}
-    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(intermediate_size=256, **cfg)).eval()
-    redraw_weights(hf, 2)
-    hf.save_pretrained(root / "ckpt")
-    _tokenizer(root / "ckpt")
-    return root / "ckpt", convert(LLAMA_CPP, root / "ckpt", "f32", root / "f32.gguf")
+    return convert_tiny_qwen35(tmp_path_factory.mktemp("heads"), 5, intermediate_size=256, hidden_size=256,
+                               head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
-def test_q4_k_out_projection_keeps_the_files_blocks_and_permutes_its_input(wide_heads, tmp_path):
+def test_q4_k_out_projection_keeps_the_files_blocks_and_permutes_its_input(wide_heads, tmp_path, monkeypatch):
     ckpt, f32 = wide_heads
     quant = rewrite(f32, tmp_path / "q4_k.gguf", qtype=GGMLQuantizationType.Q4_K, keep={"token_embd.weight"})
     ref = rewrite(f32, tmp_path / "ref.gguf", qtype=GGMLQuantizationType.Q4_K, keep={"token_embd.weight"},
@@ -56,18 +41,8 @@ def test_q4_k_out_projection_keeps_the_files_blocks_and_permutes_its_input(wide_
         assert float((got - w).norm() / w.norm()) <= 1e-5
         assert float((got - orig).norm() / orig.norm()) > 1e-4  # the blocks did change the weights
     # the compiled decode blocks read the permuted input too: per-op logits, bit for bit
-    from tests.models.test_decode_blocks import _both
-
     extension()
-    ran = []
-    real = decode_blocks.run
-    decode_blocks.run = lambda entry, *a: ran.append(entry[0]) or real(entry, *a)
-    try:
-        ref_steps, got_steps = _both(model, 2)
-    finally:
-        decode_blocks.run = real
-    assert ran.count("gdn") == 6 * len(outs)
-    assert torch.equal(got_steps, ref_steps)
+    assert_all_compiled_equal_per_op(model, 2, monkeypatch)
 
 
 def test_q8_0_out_projection_still_moves_its_columns_as_blocks(wide_heads, tmp_path):

@@ -27,7 +27,8 @@ from gguf import quants  # noqa: E402
 
 GGML_BASE = Path(os.environ.get("KVSTATE_GGML_BASE", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/"
                                                       "build/bin/libggml-base.so"))
-FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}
 
 
 def random_blocks(qtype: str, rows: int, blocks: int, seed: int) -> np.ndarray:
@@ -45,7 +46,7 @@ def _gguf_type(qtype: str):
 
 
 def test_supported_is_what_we_dequantize():
-    assert SUPPORTED == {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert SUPPORTED == {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     for name, t in TYPES.items():  # block sizes and type numbers as gguf has them
         assert gguf.GGML_QUANT_SIZES[_gguf_type(name)] == (t.block, t.nbytes)
         assert int(_gguf_type(name)) == t.type_id

@@ -136,6 +136,16 @@ def test_verify_steps_run_compiled_and_equal_per_op_bitwise(checkpoints, weights
         assert torch.equal(a, b)
 
 
+def assert_all_compiled_equal_per_op(model, n: int, monkeypatch) -> None:
+    """Every block of every decode step runs compiled, and the logits equal the per-op path's bit for bit."""
+    ran = []
+    real = decode_blocks.run
+    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
+    ref, got = _both(model, n)
+    assert len(ran) == 6 * len(model.layers)
+    assert torch.equal(got, ref)
+
+
 @pytest.fixture(scope="module")
 def qwen_256(tmp_path_factory):
     """Qwen3.5 whose every projection has K a multiple of 256 (Q4_K blocks fit all of them)."""
@@ -155,12 +165,7 @@ def test_compiled_blocks_with_ggml_blocks_equal_per_op_bitwise(qwen_256, weights
     assert all(m.mixer.in_proj_qkv.weight_format == weights.upper() for m in model.layers
                if hasattr(m.mixer, "in_proj_qkv"))
     assert model.layers[0].ffn.down_proj.weight_format == weights.upper()
-    ran = []
-    real = decode_blocks.run
-    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
-    ref, got = _both(model, n)
-    assert len(ran) == 6 * len(model.layers)
-    assert torch.equal(got, ref)
+    assert_all_compiled_equal_per_op(model, n, monkeypatch)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -171,7 +176,6 @@ def test_compiled_blocks_with_mixed_block_types_equal_per_op_bitwise(qwen_256, n
     from kvstate.kernels.blocks import set_block_weight
     from kvstate.kernels.fused import BlockParts
     from kvstate.kernels.hugepages import place_weights
-    from kvstate.kernels.ggml_blocks import TYPES
     from tests.kernels.test_blocks import random_blocks
 
     extension()
@@ -184,15 +188,7 @@ def test_compiled_blocks_with_mixed_block_types_equal_per_op_bitwise(qwen_256, n
         set_block_weight(lin, torch.from_numpy(raw), "Q6_K")
     fuse_projections(model)
     place_weights(model, min_bytes=1)
-    groups = {id(b.mixer.in_proj_qkv.fused_group if hasattr(b.mixer, "in_proj_qkv") else b.mixer.v_proj.fused_group):
-              b for b in model.layers}
-    assert len(groups) == len(model.layers)
-    assert all(isinstance(g.mixer.in_proj_qkv.fused_group if hasattr(g.mixer, "in_proj_qkv") else
-                          g.mixer.v_proj.fused_group, BlockParts) for g in groups.values())
-    assert TYPES["Q6_K"].type_id == 14
-    ran = []
-    real = decode_blocks.run
-    monkeypatch.setattr(decode_blocks, "run", lambda entry, *a: ran.append(entry[0]) or real(entry, *a))
-    ref, got = _both(model, n)
-    assert len(ran) == 6 * len(model.layers)
-    assert torch.equal(got, ref)
+    mixed = [(b.mixer.in_proj_qkv if hasattr(b.mixer, "in_proj_qkv") else b.mixer.v_proj).fused_group
+             for b in model.layers]
+    assert len({id(g) for g in mixed}) == len(model.layers) and all(isinstance(g, BlockParts) for g in mixed)
+    assert_all_compiled_equal_per_op(model, n, monkeypatch)

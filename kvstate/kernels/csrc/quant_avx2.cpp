@@ -45,6 +45,12 @@ struct Isa {
   static VI iota(int) { return _mm256_setzero_si256(); }
   static V lut16(VI, V t) { return t; }
   static V lut32(VI, V t, V) { return t; }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  // 16 entries in two registers: each half looked up by the index's low 3 bits, bit 3 picks the half
+  static V table16(VI idx, const V* t) {
+    const V lo = _mm256_permutevar8x32_ps(t[0], idx), hi = _mm256_permutevar8x32_ps(t[1], idx);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
 };
 
 #include "quant_tile.h"

@@ -42,6 +42,8 @@ struct Isa {
     return _mm512_add_epi32(_mm512_set1_epi32(base), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   }
   static V lut16(VI idx, V t) { return _mm512_permutexvar_ps(idx, t); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static V table16(VI idx, const V* t) { return _mm512_permutexvar_ps(idx, t[0]); }
   static V lut32(VI idx, V t, V u) { return _mm512_permutex2var_ps(t, idx, u); }
 };
 

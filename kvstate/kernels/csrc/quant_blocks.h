@@ -1,4 +1,4 @@
-// GGML quantized blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; layouts of ggml-common.h) times fp32 x, exact:
+// GGML quantized blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; layouts of ggml-common.h) times fp32 x, exact:
 // each block is dequantized to the fp32 weights ggml's own dequantizer gives (the same products in the
 // same order: d * sc first, then times the code, minus dmin * m), then multiplied with fp32 FMAs.
 // One instance per ISA (quant_avx512.cpp, quant_avx2.cpp) of quant_tile.h; quant_gemv.cpp binds them.
@@ -14,7 +14,7 @@ class module_;
 namespace kvstate::quant {
 
 // GGML_TYPE_* numbers (ggml.h) of the types served
-enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
 int block_weights(int type);  // 32 or 256; 0 for a type not served
 

@@ -15,8 +15,8 @@ namespace kvstate::quant {
 
 int block_weights(int type) {
   switch (type) {
-    case kQ4_0: case kQ8_0: return 32;
-    case kQ4_K: case kQ5_K: case kQ6_K: return 256;
+    case kQ4_0: case kQ8_0: case kIQ4_NL: return 32;
+    case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
     default: return 0;
   }
 }
@@ -28,6 +28,8 @@ int block_bytes(int type) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kIQ4_NL: return 18;
+    case kIQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -50,7 +52,7 @@ bool wide_isa(const std::string& isa_in) {
 // weights per row of blocks `w` of `type` (checked)
 int64_t row_weights(const at::Tensor& w, int64_t type) {
   const int bw = block_weights(int(type));
-  TORCH_CHECK(bw > 0, "kvstate quant: GGML type ", type, " is not served (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(bw > 0, "kvstate quant: GGML type ", type, " is not served (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "kvstate quant: weight must be contiguous uint8 blocks [N, bytes per row]");
   TORCH_CHECK(w.size(1) % block_bytes(int(type)) == 0, "kvstate quant: weight rows of ", w.size(1),

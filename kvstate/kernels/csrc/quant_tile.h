@@ -1,7 +1,8 @@
 // The block GEMM, included once per ISA inside its namespace and target pragma (quant_avx512.cpp,
 // quant_avx2.cpp) after a `struct Isa` with: V (kLanes floats), zero, load, store, fma, add, mul, sub,
-// set1, reduce, u8 / i8 (L bytes -> int32 lanes), cvt, and_, or_, srl, sll, keep, and kLut with
-// iota / lut16 / lut32 (a table lookup of floats by int32 index), kTileRows. The weights are read from memory
+// set1, reduce, u8 / i8 (L bytes -> int32 lanes), cvt, and_, or_, srl, sll, keep, loadu, table16 (a
+// lookup in a 16-float table held in 16 / L registers), and kLut with iota / lut16 / lut32 (a table
+// lookup of floats by int32 index in one register), kTileRows. The weights are read from memory
 // once for all M rows.
 
 static inline float f16(const uint8_t* p) {
@@ -135,10 +136,46 @@ static inline void deq_q6_k(const uint8_t* b, Sink&& sink) {  // 210 bytes: ql[1
   }
 }
 
+// IQ4_NL (18 bytes: d, qs[16]) and IQ4_XS (136: d, scales_h, scales_l[4], qs[128]): 4-bit indices into
+// 16 non-uniform levels, times one float per 32 weights (IQ4_XS: d * (6-bit scale - 32)). The 16 products
+// dl * level are the sub-block's table, each code picks its value: ggml's y = dl * kvalues[q] exactly.
+static constexpr float kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+template <class Sink>
+static inline void deq_iq4_32(const uint8_t* qs, float dl, Sink&& sink) {  // one sub-block of 32 weights
+  const V s = Isa::set1(dl);
+  V t[16 / L];  // the table dl * level, in 16 / L registers
+  for (int i = 0; i < 16 / L; ++i) t[i] = Isa::mul(s, Isa::loadu(kIq4Levels + i * L));
+#pragma GCC unroll 2
+  for (int i = 0; i < 16; i += L) {
+    const VI q = Isa::u8(qs + i);
+    sink(i, Isa::table16(Isa::and_(q, Isa::iset1(15)), t));
+    sink(16 + i, Isa::table16(Isa::srl(q, 4), t));
+  }
+}
+
+template <class Sink>
+static inline void deq_iq4_nl(const uint8_t* b, Sink&& sink) {
+  deq_iq4_32(b + 2, f16(b), sink);
+}
+
+template <class Sink>
+static inline void deq_iq4_xs(const uint8_t* b, Sink&& sink) {
+  const float d = f16(b);
+  uint16_t h;
+  __builtin_memcpy(&h, b + 2, 2);
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((h >> (2 * j)) & 3) << 4);
+    deq_iq4_32(b + 8 + 16 * j, d * float(ls - 32), [&](int off, V w) { sink(32 * j + off, w); });
+  }
+}
+
 template <int TYPE>
 struct Block {
-  static constexpr int weights = TYPE == kQ8_0 || TYPE == kQ4_0 ? 32 : 256;
-  static constexpr int bytes = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 ? 18 : TYPE == kQ4_K ? 144 : TYPE == kQ5_K ? 176 : 210;
+  static constexpr int weights = TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kIQ4_NL ? 32 : 256;
+  static constexpr int bytes = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 || TYPE == kIQ4_NL ? 18 : TYPE == kQ4_K ? 144
+                               : TYPE == kQ5_K ? 176 : TYPE == kIQ4_XS ? 136 : 210;
 };
 
 template <int TYPE, class Sink>
@@ -147,6 +184,8 @@ static inline void deq_block(const uint8_t* b, Sink&& sink) {
   else if constexpr (TYPE == kQ4_0) deq_q4_0(b, sink);
   else if constexpr (TYPE == kQ4_K) deq_qk<false>(b, sink);
   else if constexpr (TYPE == kQ5_K) deq_qk<true>(b, sink);
+  else if constexpr (TYPE == kIQ4_NL) deq_iq4_nl(b, sink);
+  else if constexpr (TYPE == kIQ4_XS) deq_iq4_xs(b, sink);
   else deq_q6_k(b, sink);
 }
 
@@ -272,6 +311,8 @@ void dequantize_rows(const Args& a, int64_t n0, int64_t n1) {
     case kQ4_0: dequantize_of<kQ4_0>(a, n0, n1); break;
     case kQ4_K: dequantize_of<kQ4_K>(a, n0, n1); break;
     case kQ5_K: dequantize_of<kQ5_K>(a, n0, n1); break;
+    case kIQ4_NL: dequantize_of<kIQ4_NL>(a, n0, n1); break;
+    case kIQ4_XS: dequantize_of<kIQ4_XS>(a, n0, n1); break;
     default: dequantize_of<kQ6_K>(a, n0, n1); break;
   }
 }
@@ -282,6 +323,8 @@ void rows(const Args& a, int64_t n0, int64_t n1) {
     case kQ4_0: rows_of<kQ4_0>(a, n0, n1); break;
     case kQ4_K: rows_of<kQ4_K>(a, n0, n1); break;
     case kQ5_K: rows_of<kQ5_K>(a, n0, n1); break;
+    case kIQ4_NL: rows_of<kIQ4_NL>(a, n0, n1); break;
+    case kIQ4_XS: rows_of<kIQ4_XS>(a, n0, n1); break;
     default: rows_of<kQ6_K>(a, n0, n1); break;
   }
 }
