@@ -85,7 +85,7 @@ def test_q8_k_scale_takes_the_sign_of_the_first_largest():
     assert raw[260:].view(np.int16)[0] == 0 and raw[260:].view(np.int16)[1] == 64  # -127 + 127, round(63.5)
 
 
-@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("qtype", sorted(X_TYPE))
 @pytest.mark.parametrize("n,blocks", [(1, 1), (13, 2), (37, 5)])
 def test_kernels_equal_the_integer_reference_on_each_isa(q8, qtype, n, blocks):
     """1 to 9 x rows (the 8-, 4-, 2- and 1-row groups), with and without bias, one block to several;
@@ -106,7 +106,7 @@ def test_kernels_equal_the_integer_reference_on_each_isa(q8, qtype, n, blocks):
             assert err <= 1e-5, (qtype, m, isa, err)
 
 
-@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("qtype", sorted(X_TYPE))
 def test_kernels_follow_ggmls_own_dot_products(q8, qtype):
     """ggml's ggml_vec_dot_*_q8_* (libggml-cpu) on the weights' and x's bytes: the same sums but for
     the order of the fp32 additions."""
@@ -133,7 +133,7 @@ def test_kernels_follow_ggmls_own_dot_products(q8, qtype):
         assert np.abs(y - ref).max() <= 1e-5 * scale.max(), isa
 
 
-@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("qtype", sorted(X_TYPE))
 def test_q8_is_close_to_exact_math(q8, qtype):
     """8-bit x moves each output by about 1% of the exact one (not 0: the q8 path ran)."""
     t = TYPES[qtype]
@@ -209,3 +209,20 @@ def test_mixed_parts_of_one_input_run_q8_each_as_alone(q8):
             assert sum(q8.quant_q8_calls()) == sum(before) + 1 and sum(q8.quant_calls()) == exact
             ref = np.concatenate([linear_q8(x.numpy(), raw, q) for raw, (q, _) in zip(raws, parts)], axis=1)
             assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 1e-5, (m, isa)
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_types_q8_does_not_serve_keep_exact_math(q8, qtype):
+    """The IQ4 blocks have no integer kernels here: in q8 mode they run the exact ones, alone and in parts."""
+    if qtype not in TYPES:
+        pytest.skip(f"{qtype} blocks are not served")
+    t = TYPES[qtype]
+    raw = torch.from_numpy(random_blocks(qtype, 8, 512 // t.block, seed=1))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(2))
+    before, exact = q8.quant_q8_calls(), sum(q8.quant_calls())
+    y = q8.quant_linear(x, raw, None, t.type_id, "avx2")
+    q4 = torch.from_numpy(random_blocks("Q4_K", 4, 2, seed=3))
+    q8.quant_linear_parts(x, [raw, q4], [t.type_id, TYPES["Q4_K"].type_id], "avx2")
+    assert q8.quant_q8_calls() == before and sum(q8.quant_calls()) == exact + 2
+    ref = x.double() @ dequantize(raw, qtype).double().T
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
