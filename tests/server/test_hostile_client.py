@@ -87,6 +87,8 @@ class HealthWatch:
         self.spans: list[tuple[str, float, float]] = []  # (test, start, end) wall clock
 
     def polls(self) -> list[tuple[float, float]]:
+        if not self.log.exists():  # its process has not polled yet
+            return []
         return [tuple(map(float, line.split())) for line in self.log.read_text().splitlines() if line.strip()]
 
     def slowest_by_test(self) -> dict[str, float]:
@@ -412,9 +414,19 @@ def test_schemathesis_with_the_key_finds_no_5xx(server):
         check()
 
 
+def _at_least(watch: HealthWatch, n: int, timeout: float = 20.0) -> None:
+    """Wait until `watch` has logged n polls: on a loaded machine, or a worker that drew few of the
+    cases, its process may have started late; its polls must still cover a running server."""
+    end = time.monotonic() + timeout
+    while len(watch.polls()) < n and time.monotonic() < end:
+        time.sleep(0.1)
+
+
 def test_zz_the_server_held_up(server):
     url, client, proc, watch = server
     _wait_idle(url)
+    _at_least(watch, 11)
+    _at_least(FIGURES["probe"], 11)
     rss_after = _rss_mb(proc.pid)
     def ms(name: str) -> str:  # a figure of a test that ran on this worker, or "-" (a -k or split run)
         sec = FIGURES["timings"].get(name)
