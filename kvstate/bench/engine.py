@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from kvstate.engine.config import ACTIVATION_DTYPES
 from kvstate.gguf import is_gguf
 from kvstate.config.dtypes import QUANTIZED_WEIGHT_DTYPES
 from kvstate.terminal.arg_types import count_arg, decode_tokens_arg, whole_number
@@ -67,9 +68,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-baseline", metavar="PATH", default=None,
                         help="the unquantized model a quantized --model FILE.gguf is held against (KL divergence, "
                              "top-1 agreement; loaded in fp32); --weight-dtype is held against --model in fp32")
-    parser.add_argument("--activation-dtype", choices=("fp32", "bf16", "bf16x3"), default="fp32",
+    parser.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, default="fp32",
                         help="bf16 weights on AVX512_BF16 CPUs: fp32 math (default, exact), bf16 (x rounded, "
-                             "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); "
+                             "llama.cpp's precision) or bf16x3 (x split in three bf16 parts); GGML block "
+                             "weights: q8 (x in 8-bit blocks, integer dots, llama.cpp's arithmetic); "
                              "kvstate.kernels.activation")
 
 

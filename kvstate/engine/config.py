@@ -16,7 +16,7 @@ from kvstate.engine.speculative.config import SpeculativeConfig
 from kvstate.errors import KvstateError
 
 # the precisions of bf16-weight linears (kernels.activation.PARTS: the kernels' names for them)
-ACTIVATION_DTYPES = ("fp32", "bf16", "bf16x3")
+ACTIVATION_DTYPES = ("fp32", "bf16", "bf16x3", "q8")
 
 
 def _setting(default, help: str, *, flags: tuple[str, ...] = (), metavar: str | None = None,
@@ -66,7 +66,8 @@ class EngineConfig:
               "GGML's q8_0, q4_0 or q4_k blocks; math stays fp32", metavar="DTYPE", shown="the checkpoint's")
     activation_dtype: str = _setting(
         "fp32", "bf16 weights on CPUs with AVX512_BF16 (Zen 4 and later): fp32 math (exact), bf16 (each linear's "
-                "input rounded to bf16, as llama.cpp's bf16; faster, logits ~2% off) or bf16x3 (near-exact); "
+                "input rounded to bf16, as llama.cpp's bf16; faster, logits ~2% off) or bf16x3 (near-exact); GGML "
+                "block weights: q8 (x quantized to 8 bits per block, integer dot products, as llama.cpp); "
                 "process-wide", metavar="DTYPE")
     tensor_parallel_size: int = _setting(
         1, "shard the model and its caches over N processes (tensor parallelism); --cache-memory is then per "

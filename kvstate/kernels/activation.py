@@ -10,14 +10,21 @@ The setting is process-wide (the compiled decode blocks' linears follow it too).
 (prefill) bf16 weights run the extension's AVX512_BF16 GEMM in every mode, x in three bf16 parts for
 fp32 math (as the AMX kernel does); where the kernels' ISA is AMX the prefill keeps torch's GEMMs (bf16
 in the "bf16" mode). int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
+
+"q8" concerns the GGML block weights only (a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, or
+`--weight-dtype q8_0|q4_0|q4_k`): llama.cpp's arithmetic, each linear's input quantized to 8 bits per
+block (block_q8_0 / block_q8_K) and integer dot products (`kernels.ggml_q8` is its plain form). It
+serves up to `blocks.MAX_ROWS` rows (decode, speculative verify); the prefill keeps the exact fp32 GEMM
+of the dequantized tiles. bf16, int8 and fp32 weights keep their fp32 math under it. It needs the
+compiled kernels and AVX2 (AVX-512 VNNI where the CPU has it).
 """
 
 from __future__ import annotations
 
 from kvstate.errors import KvstateError
 
-# name -> bf16 parts of x for the kernel (0: the fp32 path)
-PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3}
+# name -> bf16 parts of x for the bf16-weight kernel (0: the fp32 path); "q8" leaves them in fp32
+PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3, "q8": 0}
 # True while "bf16" is set: where the extension's GEMM does not serve the rows past the skinny
 # kernel's (prefill), they run torch's bf16 GEMM, which also rounds each output to bf16.
 bf16_gemm = False
@@ -37,7 +44,8 @@ def available() -> bool:
 
 
 def set_activation_dtype(name: str) -> None:
-    """"fp32" (exact, the default), "bf16" or "bf16x3" for every later bf16-weight linear of this process."""
+    """"fp32" (exact, the default), "bf16" or "bf16x3" for every later bf16-weight linear of this process,
+    "q8" for every later GGML-block linear of up to `blocks.MAX_ROWS` rows."""
     if name not in PARTS:
         raise KvstateError(f"activation dtype {name!r}: expected one of {', '.join(PARTS)}")
     from kvstate.kernels import _ext
@@ -46,10 +54,22 @@ def set_activation_dtype(name: str) -> None:
     if PARTS[name] and not available():
         why = _ext.unavailable_reason() if ext is None else "this CPU has no AVX512_BF16"
         raise KvstateError(f"activation dtype {name}: needs the compiled kernels on a CPU with AVX512_BF16 ({why})")
+    if name == "q8" and not q8_available():
+        why = _ext.unavailable_reason() if ext is None else "this CPU has no AVX2"
+        raise KvstateError(f"activation dtype q8: needs the compiled kernels on a CPU with AVX2 ({why})")
     if ext is not None:
         ext.set_activation_parts(PARTS[name])
+        ext.set_q8_activations(name == "q8")
     global bf16_gemm
     bf16_gemm = name == "bf16"
+
+
+def q8_available() -> bool:
+    """The extension is loaded and serves the "q8" mode here (it needs AVX2)."""
+    from kvstate.kernels import _ext
+
+    ext = _ext.load()
+    return ext is not None and hasattr(ext, "set_q8_activations") and "avx2" in ext.isas()
 
 
 def gemm_serves(chosen: str) -> bool:
@@ -76,6 +96,9 @@ def activation_dtype() -> str:
     from kvstate.kernels import _ext
 
     ext = _ext.peek()
-    parts = ext[0].activation_parts() if ext and ext[0] is not None else 0
-    return next(k for k, v in PARTS.items() if v == parts)
+    if not ext or ext[0] is None:
+        return "fp32"
+    if ext[0].q8_activations():
+        return "q8"
+    return next(k for k, v in PARTS.items() if v == ext[0].activation_parts())
 

@@ -13,7 +13,10 @@ compiled `quant_dequantize`, else torch ops; a few MiB of fp32, so the full fp32
 exists) and multiplies each tile with one fp32 GEMM. Both multiply by the same weights; only the
 summation order differs. Under `activation.set_activation_dtype("bf16")` (the opt-in of llama.cpp's
 precision) the compiled tiles and x are rounded to bf16 for torch's bf16 GEMM, as bf16 weights'
-prefill does there.
+prefill does there. Under `set_activation_dtype("q8")` (llama.cpp's arithmetic) the kernel's rows of
+Q8_0, Q4_0, Q4_K, Q5_K and Q6_K blocks (up to `MAX_ROWS`, one matrix or fused parts) take x quantized
+to 8 bits per block and integer dot products (csrc/quant_q8*, `ggml_q8` its plain form); the prefill
+GEMM path keeps the exact fp32 tiles, and IQ4_NL / IQ4_XS keep the exact kernel.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def interval_arg(text: str):
 
 
 def activation_dtype_arg(text: str) -> str:
-    """--activation-dtype: fp32, bf16 or bf16x3."""
+    """--activation-dtype: fp32, bf16, bf16x3 or q8."""
     from kvstate.engine.config import ACTIVATION_DTYPES
 
     if text not in ACTIVATION_DTYPES:

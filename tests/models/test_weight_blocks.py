@@ -121,3 +121,24 @@ def test_a_block_that_fits_no_row_is_said_in_one_line(checkpoint, capsys):
     assert err.count("\n") == 1 and f"--weight-dtype q4_k quantized {len(held)} of {len(held) + len(kept)}" in err
     load_model(checkpoint, weight_dtype="q8_0")  # every row fits: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_bench_engine_reports_q8_activations_against_exact_math(capsys):
+    """`--activation-dtype q8` on block weights: the logits' distance from the exact mode, as for bf16."""
+    import json
+
+    from kvstate.cli import main
+    from kvstate.kernels import activation
+
+    if not activation.q8_available():
+        pytest.skip("needs the compiled kernels")
+    argv = ["bench", "engine", "--quick", "--batches", "1", "--prompt-len", "6", "--new-tokens", "3",
+            "--prefill-len", "12", "--json", "--threads", "1", "--no-reference", "--weight-dtype", "q8_0",
+            "--activation-dtype", "q8"]
+    try:
+        assert main(argv) == 0
+    finally:
+        activation.set_activation_dtype("fp32")
+    out = json.loads(capsys.readouterr().out)
+    err = out["activation_logit_error"]
+    assert out["activation_dtype"] == "q8" and 0 < err["rel"] < 0.2 and err["positions"] == 32

@@ -83,10 +83,14 @@ Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Ten
   x = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   pybind11::gil_scoped_release no_gil;
   const Args args{x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), int(type), bptr, y.data_ptr<float>(),
                   N};
+  if (q8_serves(int(type), M)) {  // the opt-in llama.cpp arithmetic (quant_q8.cpp)
+    linear_q8(args, wide);
+    return y;
+  }
+  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   // a thread gets at least ~64 KiB of blocks: tiny matrices do not pay for waking threads
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, w.size(1)));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -119,8 +123,16 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
   const bool wide = wide_isa(isa_in);
   auto y = at::empty({M, col[P]}, x.options());
   if (M == 0 || col[P] == 0) return y;
-  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
+  // the opt-in llama.cpp arithmetic (quant_q8.cpp) where it serves every part: x quantized once
+  const bool q8 = std::all_of(types.begin(), types.end(), [&](int64_t t) { return q8_serves(int(t), M); });
+  const bool vnni = q8_vnni(wide);
+  if (q8)
+    count_q8(vnni);
+  else
+    calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
   pybind11::gil_scoped_release no_gil;
+  const Args whole{x.data_ptr<float>(), M, K, nullptr, 0, 0, nullptr, nullptr, 0};
+  const XQ8 xq = q8 ? quantize_x_for(whole, types.data(), P, vnni) : XQ8{};
   at::parallel_for(0, byte[P], 64 << 10, [&](int64_t b0, int64_t b1) {
     for (int64_t p = 0; p < P; ++p) {  // the rows of part p whose first byte lies in [b0, b1)
       const int64_t rb = ws[p].size(1);
@@ -129,7 +141,9 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
       if (n0 >= n1) continue;
       const Args args{x.data_ptr<float>(), M, K, ws[p].data_ptr<uint8_t>(), rb, int(types[p]), nullptr,
                       y.data_ptr<float>() + col[p], col[P]};
-      if (wide)
+      if (q8)
+        rows_q8_on(args, xq.of(args.type), n0, n1, vnni);
+      else if (wide)
         avx512::rows(args, n0, n1);
       else
         avx2::rows(args, n0, n1);
@@ -171,7 +185,8 @@ void register_quant_ops(pybind11::module_& m) {
   m.def("quant_dequantize", &op::quant_dequantize,
         "the fp32 weights [N, K] GGML blocks [N, bytes per row] of type `type` mean, exactly as ggml's dequantizer "
         "gives them", pybind11::arg("weight"), pybind11::arg("type"), pybind11::arg("isa") = "auto");
+  register_quant_q8_ops(m);
   m.def("quant_calls", [] { return std::vector<int64_t>{quant::calls[0].load(), quant::calls[1].load()}; },
-        "calls of quant_linear since load: [avx512, avx2]");
+        "calls of quant_linear's exact kernels since load: [avx512, avx2]");
 }
 }  // namespace kvstate

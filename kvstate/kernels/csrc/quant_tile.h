@@ -51,16 +51,8 @@ static inline void deq_q4_0(const uint8_t* b, Sink&& sink) {  // 18 bytes: d, qs
 // the 6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K block (get_scale_min_k4), times d
 // and dmin: ds[j] = d * sc_j, dm[j] = dmin * m_j, as ggml rounds them
 static inline void scales_mins(const uint8_t* b, float* ds, float* dm) {
-  // the 12 bytes rearranged 32 bits at a time (as ggml's x86 kernels do): u[0..1] the 8 scales,
-  // u[2..3] the 8 mins, a byte each
   uint32_t u[4];
-  __builtin_memcpy(u, b + 4, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t m03 = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = m03;
-  u[0] &= k1;
+  k4_scales_mins(b, u);
   const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
   const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
   _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(f16(b)), sc));
