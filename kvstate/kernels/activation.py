@@ -14,8 +14,10 @@ in the "bf16" mode). int8 and fp32 weights, AMX and AVX2 paths keep fp32 math.
 "q8" concerns the GGML block weights only (a GGUF file's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, or
 `--weight-dtype q8_0|q4_0|q4_k`): llama.cpp's arithmetic, each linear's input quantized to 8 bits per
 block (block_q8_0 / block_q8_K) and integer dot products (`kernels.ggml_q8` is its plain form). It
-serves up to `blocks.MAX_ROWS` rows (decode, speculative verify); the prefill keeps the exact fp32 GEMM
-of the dequantized tiles. bf16, int8 and fp32 weights keep their fp32 math under it. It needs the
+serves up to `blocks.MAX_ROWS` rows (decode, speculative verify); the prefill's GEMMs of the dequantized
+tiles round x and the tiles to bf16 where the CPU has AVX512_BF16 (torch's bf16 GEMM; more precise than
+llama.cpp's 8-bit prefill) and stay fp32 elsewhere. bf16, int8 and fp32 weights keep their fp32 math
+under it. It needs the
 compiled kernels and AVX2 (AVX-512 VNNI where the CPU has it).
 """
 
@@ -28,6 +30,8 @@ PARTS = {"fp32": 0, "bf16": 1, "bf16x3": 3, "q8": 0}
 # True while "bf16" is set: where the extension's GEMM does not serve the rows past the skinny
 # kernel's (prefill), they run torch's bf16 GEMM, which also rounds each output to bf16.
 bf16_gemm = False
+# True while GGML block weights' prefill tiles run as bf16 GEMMs ("bf16"; "q8" on AVX512_BF16 CPUs)
+blocks_bf16_gemm = False
 # Whether the extension's AVX512_BF16 GEMM serves those rows in every mode (x in 3 bf16 parts for
 # fp32 math, 1 for "bf16"): its automatic ISA is AVX-512 on a CPU with AVX512_BF16. None: not yet
 # looked up (gemm_serves).
@@ -60,8 +64,11 @@ def set_activation_dtype(name: str) -> None:
     if ext is not None:
         ext.set_activation_parts(PARTS[name])
         ext.set_q8_activations(name == "q8")
-    global bf16_gemm
+    global bf16_gemm, blocks_bf16_gemm
     bf16_gemm = name == "bf16"
+    # "q8" is llama.cpp's arithmetic, whose prefill multiplies 8-bit activations: the block weights'
+    # prefill tiles run as bf16 GEMMs then (closer to exact than q8), where the CPU has AVX512_BF16
+    blocks_bf16_gemm = bf16_gemm or (name == "q8" and available())
 
 
 def q8_available() -> bool:

@@ -16,7 +16,8 @@ precision) the compiled tiles and x are rounded to bf16 for torch's bf16 GEMM, a
 prefill does there. Under `set_activation_dtype("q8")` (llama.cpp's arithmetic) the kernel's rows of
 Q8_0, Q4_0, Q4_K, Q5_K and Q6_K blocks (up to `MAX_ROWS`, one matrix or fused parts) take x quantized
 to 8 bits per block and integer dot products (csrc/quant_q8*, `ggml_q8` its plain form); the prefill
-GEMM path keeps the exact fp32 tiles, and IQ4_NL / IQ4_XS keep the exact kernel.
+GEMM path rounds x and the tiles to bf16 as under "bf16" (on AVX512_BF16 CPUs; fp32 elsewhere), and
+IQ4_NL / IQ4_XS keep the exact kernel.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     deq = _dequantizer(x2)
     rows = max(1, (TILE_WEIGHTS if deq is dequantize else TILE_WEIGHTS_COMPILED) // k)
-    bf16 = activation.bf16_gemm and deq is not dequantize  # the opt-in: x and the tiles in bf16
+    bf16 = activation.blocks_bf16_gemm and deq is not dequantize  # the opt-in: x and the tiles in bf16
     xg = x2.to(torch.bfloat16) if bf16 else x2
     for start in range(0, n, rows):
         stop = min(start + rows, n)

@@ -268,10 +268,12 @@ def test_compiled_dequantizer_equals_gguf_bit_for_bit_on_each_isa(qtype):
         ext.quant_dequantize(torch.zeros(2, 100, dtype=torch.uint8), 12)
 
 
-def test_prefill_rows_follow_the_bf16_opt_in():
-    """Under set_activation_dtype("bf16") the GEMM path's tiles and x are rounded to bf16 (llama.cpp's
-    precision); the default stays fp32 math on the exact weights."""
-    from kvstate.kernels import activation
+@pytest.mark.parametrize("mode", ["bf16", "q8"])
+def test_prefill_rows_follow_the_bf16_opt_in(mode):
+    """Under set_activation_dtype("bf16"), and "q8" (llama.cpp's arithmetic, whose prefill is 8-bit),
+    the GEMM path's tiles and x are rounded to bf16 on AVX512_BF16 CPUs; the default stays fp32 math on
+    the exact weights, and bf16 weights keep fp32 math under "q8"."""
+    from kvstate.kernels import activation, linear
 
     extension()
     if not activation.available():
@@ -280,8 +282,17 @@ def test_prefill_rows_follow_the_bf16_opt_in():
     x = torch.randn(MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(12))
     rounded = F.linear(x.bfloat16().double(), w.bfloat16().double(), m.bias.double())
     exact = F.linear(x.double(), w.double(), m.bias.double())
+    if mode == "q8":
+        wb = w.bfloat16()
+        activation.set_activation_dtype("q8")
+        try:
+            yb = linear(x, wb).double()
+        finally:
+            activation.set_activation_dtype("fp32")
+        truth = x.double() @ wb.double().T
+        assert (yb - truth).abs().max() <= 1e-5 * truth.abs().max()
     with torch.no_grad():
-        activation.set_activation_dtype("bf16")
+        activation.set_activation_dtype(mode)
         try:
             y = m(x).double()
         finally:
