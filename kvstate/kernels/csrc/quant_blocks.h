@@ -71,12 +71,10 @@ static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8K) == 292, "ggml's block 
 int x_type(int type);
 int64_t x_row_bytes(int type, int64_t K);
 // Whether quant_linear runs `type` with M x rows the "q8" way (the mode is on, M <= kQ8MaxRows, a type
-// it serves), and that run: x quantized once, W rows split over torch's threads (`wide`: AVX-512 was
-// chosen, and the CPU has VNNI; else the AVX2 kernels).
+// it serves).
 constexpr int64_t kQ8MaxRows = 64;  // blocks.MAX_ROWS
 bool q8_serves(int type, int64_t M);
-void linear_q8(const Args& a, bool wide);
-// For a caller with several weight parts of one input (quant_linear_parts): x quantized once for each x
+// For quant_linear's weight parts of one input (quant_gemv.cpp): x quantized once for each x
 // type among the parts' `types` (x: a's x, M, K), then each part's row ranges through rows_q8_on. `vnni`
 // is q8_vnni(wide): whether the AVX-512 VNNI kernels run (else the AVX2 ones); count_q8 records a call.
 struct XQ8 {

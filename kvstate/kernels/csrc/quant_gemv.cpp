@@ -64,66 +64,31 @@ int64_t row_weights(const at::Tensor& w, int64_t type) {
 
 namespace kvstate::op {
 
-Tensor quant_linear(const Tensor& x_in, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
-                    const std::string& isa_in) {
-  using namespace kvstate::quant;
-  Tensor x = x_in;
-  TORCH_CHECK(x.device().is_cpu(), "kvstate quant: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(row_weights(w, type) == K, "kvstate quant: x has ", K, " columns; the weight rows hold ", w.size(1),
-              " bytes");
-  const float* bptr = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "kvstate quant: bias must be contiguous float32 [N]");
-    bptr = bias->data_ptr<float>();
-  }
-  const bool wide = wide_isa(isa_in);
-  x = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  pybind11::gil_scoped_release no_gil;
-  const Args args{x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), w.size(1), int(type), bptr, y.data_ptr<float>(),
-                  N};
-  if (q8_serves(int(type), M)) {  // the opt-in llama.cpp arithmetic (quant_q8.cpp)
-    linear_q8(args, wide);
-    return y;
-  }
-  calls[wide ? 0 : 1].fetch_add(1, std::memory_order_relaxed);
-  // a thread gets at least ~64 KiB of blocks: tiny matrices do not pay for waking threads
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, w.size(1)));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (wide)
-      avx512::rows(args, n0, n1);
-    else
-      avx2::rows(args, n0, n1);
-  });
-  return y;
-}
+namespace {
 
-// One output [M, sum N_i] from several weights of one input, each GGML blocks of its own type (a Q4_K_M
-// layer's q/k/v or GDN in_proj mixes Q4_K and Q6_K): one pass over the threads, split by bytes, not rows
-// (a Q6_K row is 1.5x a Q4_K one), each part's rows written at its columns of y.
-Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, const std::vector<int64_t>& types,
-                          const std::string& isa_in) {
+// y [M, sum N_i] = x @ [W_0; W_1; ...]^T (+ bias, one part only), each W_i GGML blocks of types[i]: the body
+// of quant_linear (one part) and quant_linear_parts (a Q4_K_M layer's q/k/v or GDN in_proj mixing Q4_K and
+// Q6_K). One pass over the threads, split by bytes, not rows (a Q6_K row is 1.5x a Q4_K one; a thread gets
+// at least ~64 KiB of blocks: tiny matrices do not pay for waking threads), each part's rows written at
+// its columns of y; in the q8 mode (quant_q8.cpp), where it serves every part, x is quantized once.
+Tensor linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, const std::vector<int64_t>& types,
+                    const float* bias, const std::string& isa_in) {
   using namespace kvstate::quant;
-  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "kvstate quant: one type per weight part");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
-              "kvstate quant: x must be float32 [M, K]");
+  TORCH_CHECK(x_in.device().is_cpu(), "kvstate quant: CPU tensors only");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "kvstate quant: x must be float32 [M, K]");
   const Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = int64_t(ws.size());
   std::vector<int64_t> col(P + 1, 0), byte(P + 1, 0);  // each part's first column and first byte
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(row_weights(ws[p], types[p]) == K, "kvstate quant: x has ", K, " columns; part ", p,
-                "'s rows hold ", ws[p].size(1), " bytes");
+    TORCH_CHECK(row_weights(ws[p], types[p]) == K, "kvstate quant: x has ", K, " columns; ",
+                P == 1 ? std::string("the weight") : "part " + std::to_string(p) + "'s", " rows hold ", ws[p].size(1),
+                " bytes");
     col[p + 1] = col[p] + ws[p].size(0);
     byte[p + 1] = byte[p] + ws[p].numel();
   }
   const bool wide = wide_isa(isa_in);
   auto y = at::empty({M, col[P]}, x.options());
   if (M == 0 || col[P] == 0) return y;
-  // the opt-in llama.cpp arithmetic (quant_q8.cpp) where it serves every part: x quantized once
   const bool q8 = std::all_of(types.begin(), types.end(), [&](int64_t t) { return q8_serves(int(t), M); });
   const bool vnni = q8_vnni(wide);
   if (q8)
@@ -139,7 +104,7 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
       const int64_t n0 = std::clamp((b0 - byte[p] + rb - 1) / rb, int64_t(0), ws[p].size(0));
       const int64_t n1 = std::clamp((b1 - byte[p] + rb - 1) / rb, int64_t(0), ws[p].size(0));
       if (n0 >= n1) continue;
-      const Args args{x.data_ptr<float>(), M, K, ws[p].data_ptr<uint8_t>(), rb, int(types[p]), nullptr,
+      const Args args{x.data_ptr<float>(), M, K, ws[p].data_ptr<uint8_t>(), rb, int(types[p]), bias,
                       y.data_ptr<float>() + col[p], col[P]};
       if (q8)
         rows_q8_on(args, xq.of(args.type), n0, n1, vnni);
@@ -150,6 +115,25 @@ Tensor quant_linear_parts(const Tensor& x_in, const std::vector<Tensor>& ws, con
     }
   });
   return y;
+}
+
+}  // namespace
+
+Tensor quant_linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& bias, int64_t type,
+                    const std::string& isa) {
+  const float* bptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
+                "kvstate quant: bias must be contiguous float32 [N]");
+    bptr = bias->data_ptr<float>();
+  }
+  return linear_parts(x, {w}, {type}, bptr, isa);
+}
+
+Tensor quant_linear_parts(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& types,
+                          const std::string& isa) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "kvstate quant: one type per weight part");
+  return linear_parts(x, ws, types, nullptr, isa);
 }
 
 Tensor quant_dequantize(const Tensor& w, int64_t type, const std::string& isa) {

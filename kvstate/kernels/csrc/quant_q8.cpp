@@ -100,16 +100,6 @@ void rows_q8_on(const Args& a, const void* xq, int64_t n0, int64_t n1, bool vnni
     avx2::rows_q8(a, xq, n0, n1);
 }
 
-void linear_q8(const Args& a, bool wide) {
-  const bool vnni = q8_vnni(wide);
-  count_q8(vnni);
-  const int64_t type = a.type;
-  const XQ8 xq = quantize_x_for(a, &type, 1, vnni);
-  // a thread gets at least ~64 KiB of blocks, as in the exact kernel
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, a.row_bytes));
-  at::parallel_for(0, a.N, grain, [&](int64_t n0, int64_t n1) { rows_q8_on(a, xq.of(a.type), n0, n1, vnni); });
-}
-
 }  // namespace kvstate::quant
 
 namespace kvstate {
