@@ -64,7 +64,7 @@ def block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, 
 
 def _block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None, qtype: str) -> torch.Tensor:
     n = raw.shape[0]
-    k = raw.shape[1] // TYPES[qtype].nbytes * TYPES[qtype].block
+    k = row_weights(raw, qtype)
     x2 = x.reshape(-1, k).float()  # [M, K]
     isa = _isa(x2)
     if isa is not None:
@@ -90,7 +90,7 @@ def _block_linear(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None,
 def block_parts_linear(x: torch.Tensor, raws: list[torch.Tensor], qtypes: tuple[str, ...]) -> torch.Tensor:
     """torch.cat([block_linear(x, raw, None, qtype) ...], -1): several block matrices of one input, each
     of its own type, as one compiled call where the kernel serves x (decode), else one by one."""
-    k = raws[0].shape[1] // TYPES[qtypes[0]].nbytes * TYPES[qtypes[0]].block
+    k = row_weights(raws[0], qtypes[0])
     x2 = x.reshape(-1, k).float()  # [M, K]
     isa = _isa(x2)
     if isa is None or not hasattr(_ext.load(), "quant_linear_parts"):

@@ -87,11 +87,11 @@ def place_weights(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     as its one matrix and its members become views of the new one, as before. One tensor at a time:
     each old tensor is released before the next is copied (the arena's pages are only taken as they
     are written), so the process never holds the weights twice."""
-    groups, params, seen, parts = [], [], set(), []
+    groups, params, seen, parts = [], [], set(), {}
     for module in model.modules():
         group = getattr(module, "fused_group", None)
         if getattr(group, "parts", False):  # its members move as parameters; it then takes their new tensors
-            parts.append(group)
+            parts[id(group)] = group
         elif group is not None and id(group) not in seen and group.intact():
             seen.add(id(group))
             seen.update(id(m.weight) for m in group.members)
@@ -114,7 +114,7 @@ def place_weights(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
         for param, new in zip(params, slots[len(groups):]):
             new.copy_(param.data)
             param.data = new
-    for group in parts:
+    for group in parts.values():
         group.remember()
     return sum(t.numel() * t.element_size() for t in slots)
 
