@@ -8,13 +8,17 @@
 // Shape of the work: the W rows of one call are streamed once from memory. A register tile is R
 // output columns (W rows) x MT rows of x; all M rows of x are served from the same W block of R
 // rows, re-read from L1/L2 rather than memory (one pass per MT rows), by walking K in tiles small
-// enough to stay in L1. Every pass prefetches its share of the next K tile (the next block's first
-// tile after the last), so memory keeps streaming while the later passes compute.
+// enough to stay in L1. Every pass prefetches its share of a K tile kAheadTiles on (in the next
+// blocks after a row's last tiles), so memory keeps streaming while the later passes compute.
 
 using V = Isa::V;
 constexpr int kMaxR = 4;                  // W rows per register tile, at most (accumulator stride)
 constexpr int kGroupM = 16;               // x rows per pass over a W block (accumulators on the stack)
 constexpr int64_t kTileBytes = 32 << 10;  // a K tile of the W block and of the x group stays in L1
+// How far ahead a pass prefetches, in K tiles: one tile (~4 KiB of rows) was too close for the 8-row
+// passes, which compute long enough per line to catch up with the memory (bf16 weights, 8 rows, Zen 5:
+// 39 -> 32 ms over 1 GB; AVX2 52 -> 49; 1, 2, 4 and 16 rows unchanged).
+constexpr int64_t kAheadTiles = 2;
 
 // L weights of one W row as fp32: fp32 as they are, int8 widened exactly (the row's scale is applied
 // once, to the sum).
@@ -85,8 +89,8 @@ inline __attribute__((always_inline)) void step_bf16(const uint16_t* w, int64_t 
   }
 }
 
-// Where a pass prefetches: the lines of the next K tile (`kt` on; past the row's end, the next
-// block of `rb` rows), on the steps whose index is `phase` modulo `period` (one line per row each).
+// Where a pass prefetches: the lines kAheadTiles K tiles on (`kt` each; past the row's end, in the
+// blocks of `rb` rows that follow), on the steps whose index is `phase` modulo `period` (one line per row each).
 struct Prefetch {
   int64_t kt, rb;
   int phase, period;
@@ -115,8 +119,9 @@ void tile(const void* wp, int64_t K, const float* x, int64_t Kp, int64_t k0, int
   for (int64_t k = k0; k < kfull; k += S) {
     if (until-- == 0) {
       until = pf.period - 1;
-      // the same rows' next tile, or (from the row's last tile on) the next block's first one
-      const int64_t ahead = k + pf.kt < K ? pf.kt : pf.rb * K + pf.kt - K;
+      // kAheadTiles K tiles on: in the same rows, or (past the row's end) in a later block
+      const int64_t far = k + kAheadTiles * pf.kt;
+      const int64_t ahead = far / K * pf.rb * K + far % K - k;
       for (int r = 0; r < R; ++r) Isa::prefetch(wb + (r * K + k + ahead) * elt);
     }
     if constexpr (BF16)
