@@ -70,6 +70,12 @@ struct BlockQ8K {  // ggml's block_q8_K: d (fp32, its sign that of -max), codes,
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8K) == 292, "ggml's block layouts");
 int x_type(int type);
 int64_t x_row_bytes(int type, int64_t K);
+// How far ahead of the block in hand a kernel prefetches its W stream (rows are contiguous: into the
+// next ones). The hardware prefetchers alone left 8-row calls at the sum of their memory and compute
+// time where rows are long (K = 3584, "q8" mode, Zen 5, GB/s of blocks: Q4_K 10 -> 15, Q6_K 12 -> 21,
+// Q8_0 11 -> 14; AVX2 7.7 -> 8.8, 8.6 -> 12, 8.6 -> 12), and one row ran faster too (Q8_0 46 -> 60);
+// 2 and 4 KiB ahead did less.
+constexpr int kPrefetchAhead = 8 << 10;
 // Whether quant_linear runs `type` with M x rows the "q8" way (the mode is on, M <= kQ8MaxRows, a type
 // it serves).
 constexpr int64_t kQ8MaxRows = 64;  // blocks.MAX_ROWS

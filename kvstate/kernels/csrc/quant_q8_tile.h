@@ -245,7 +245,11 @@ void group_q8(const Args& a, const uint8_t* xq, int64_t xrow, int64_t n, int64_t
   for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* w = a.w + n * a.row_bytes;
   const uint8_t* x = xq + m0 * xrow;
-  for (int64_t i = 0; i < nb; ++i) dot_block<TYPE, MT>(w + i * wb, x + i * xb, xrow, acc);
+  for (int64_t i = 0; i < nb; ++i) {
+    for (int off = 0; off < wb; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * wb + kPrefetchAhead + off), _MM_HINT_T0);
+    dot_block<TYPE, MT>(w + i * wb, x + i * xb, xrow, acc);
+  }
   const float bias = a.bias ? a.bias[n] : 0.f;
   for (int r = 0; r < MT; ++r) a.y[(m0 + r) * a.N + n] = hsum(acc[r]) + bias;
 }

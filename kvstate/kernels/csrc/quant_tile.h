@@ -165,6 +165,8 @@ static inline void each_block(const uint8_t* row, int64_t K, Sink&& sink) {
   int64_t k = 0;
   for (; k + step <= K; k += step) {
     const uint8_t* b = row + k / B::weights * B::bytes;
+    for (int off = 0; off < (step / B::weights) * B::bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchAhead + off), _MM_HINT_T0);
     deq_block<TYPE>(b, [&](int off, V w) { sink(k, off, w); });
     if constexpr (step == 64) deq_block<TYPE>(b + B::bytes, [&](int off, V w) { sink(k, 32 + off, w); });
   }
