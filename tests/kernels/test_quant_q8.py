@@ -193,6 +193,7 @@ def test_the_benchmark_runs(capsys):
     assert [(r["type"], r["rows"]) for r in out["results"]] == [("Q4_K", 1), ("Q4_K", 2)] * 2
     assert all(r["q8_gbs"] > 0 and r["exact_gbs"] > 0 for r in out["results"])
     assert main(["--types", "q3_k"]) == 2
+    assert main(["--types", "iq4_xs"]) == 2  # a kept block type the q8 mode does not serve: one line, no traceback
 
 
 def test_mixed_parts_of_one_input_run_q8_each_as_alone(q8):
