@@ -124,16 +124,16 @@ inline KScales k_scales(const uint8_t* b) {
           _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8))};
 }
 
-// acc += d * the block's integer sums s - dmin * (mins . bsums), for each x row
+// acc += x's d * (d * the block's integer sums s - dmin * (mins . bsums)), for each x row: the W
+// block's d and dmin broadcast once, x's d the one factor each row broadcasts (from memory)
 template <int MT>
 inline void finish_qk(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256i mins, const __m256i* s, __m256* acc) {
-  const float d = q8_f16(b), dmin = q8_f16(b + 2);
+  const __m256 d = _mm256_set1_ps(q8_f16(b)), dmin = _mm256_set1_ps(q8_f16(b + 2));
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) {
     const BlockQ8K* y = xk(x, xrow, r);
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * d), _mm256_cvtepi32_ps(s[r]), acc[r]);
-    const __m256i mb = _mm256_madd_epi16(mins, load(y->bsums));
-    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(-y->d * dmin), _mm256_cvtepi32_ps(mb), acc[r]);
+    const __m256 m = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, load(y->bsums))));
+    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&y->d), _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(s[r]), m), acc[r]);
   }
 }
 
