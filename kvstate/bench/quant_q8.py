@@ -12,23 +12,28 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvstate.errors import KvstateError
+from kvstate.terminal.arg_types import count_arg
+from kvstate.terminal.number_list import number_list
+
 SHAPES = ((6144, 1024), (1024, 3584))  # N x K: the 0.5B bench model's GDN in_proj, MLP down_proj
-FP16_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# where each block type keeps its fp16 scales (byte offsets in the block)
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}
 
 
-def random_blocks(qtype: str, n: int, k: int, seed: int):
-    """uint8 [n, bytes per row]: random bytes, each fp16 scale small and finite (speed only)."""
+def random_blocks(qtype: str, rows: int, blocks: int, seed: int):
+    """uint8 numpy [rows, blocks * bytes]: random bytes, each fp16 scale a small finite random value."""
     import numpy as np
-    import torch
 
     from kvstate.kernels.ggml_blocks import TYPES
 
     t = TYPES[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n * k // t.block, t.nbytes), dtype=np.uint8)
-    for at in FP16_AT[qtype]:
-        raw[:, at:at + 2] = np.full(len(raw), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw.reshape(n, -1))
+    raw = rng.integers(0, 256, size=(rows * blocks, t.nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        raw[:, at:at + 2] = (rng.standard_normal(rows * blocks) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, blocks * t.nbytes)
 
 
 def measure(types: list[str], rows: list[int], mib: int, rounds: int, min_time: float) -> list[dict]:
@@ -44,7 +49,7 @@ def _shape(qtype: str, n: int, k: int, rows: list[int], mib: int, rounds: int, m
     from kvstate.kernels.ggml_blocks import TYPES
 
     ext = extension()
-    one = random_blocks(qtype, n, k, seed=n + k)
+    one = torch.from_numpy(random_blocks(qtype, n, k // TYPES[qtype].block, seed=n + k))
     copies = [one] + [one.clone() for _ in range(max(0, mib * 2**20 // one.nbytes - 1))]
     nbytes = one.nbytes * len(copies)
     out = []
@@ -69,27 +74,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.quant_q8", description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K", help="GGML block types")
     parser.add_argument("--rows", default="1,8", help="rows of x (decode batch sizes)")
-    parser.add_argument("--mib", type=int, default=256, help="MiB of blocks per shape (copies of the matrix)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the best of each side)")
+    parser.add_argument("--mib", type=count_arg, default=256, help="MiB of blocks per shape (copies of the matrix)")
+    parser.add_argument("--rounds", type=count_arg, default=3, help="alternating rounds (the best of each side)")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per side in all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from kvstate.bench.linear import read_bandwidth
     from kvstate.kernels import extension, info
+    from kvstate.kernels.activation import q8_available
+    from kvstate.kernels.ggml_q8 import X_TYPE
 
-    ext = extension()
-    if ext is None or not hasattr(ext, "set_q8_activations"):
+    if not q8_available():
         print(f"the compiled kernels are missing: {info()['reason']}")
         return 2
-    from kvstate.kernels.ggml_blocks import TYPES
-
+    ext = extension()
     types = [t.strip().upper() for t in args.types.split(",")]
-    served = [t for t in TYPES if t in FP16_AT]  # the kept types the q8 mode multiplies
-    bad = [t for t in types if t not in served]
+    bad = [t for t in types if t not in X_TYPE]
     if bad:
-        print(f"--types: {', '.join(bad)} not served by the q8 mode (expected some of {', '.join(sorted(served))})")
+        print(f"--types: {', '.join(bad)} not served by the q8 mode (expected some of {', '.join(sorted(X_TYPE))})")
         return 2
-    rows = [int(r) for r in args.rows.split(",")]
+    from kvstate.kernels.blocks import MAX_ROWS
+
+    try:  # the q8 mode serves up to MAX_ROWS rows; past them both columns would be the exact kernel
+        rows = number_list("--rows", args.rows, low=1, high=MAX_ROWS)
+    except KvstateError as e:
+        print(e)
+        return 2
     bw = read_bandwidth(4 * args.mib)
     results = measure(types, rows, args.mib, args.rounds, args.min_time)
     if args.json:

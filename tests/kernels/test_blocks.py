@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvstate.bench.quant_q8 import random_blocks
 from kvstate.kernels import Linear
 from kvstate.kernels.blocks import MAX_ROWS, SUPPORTED, block_linear, set_block_weight
 from kvstate.kernels.ggml_blocks import TYPES, dequantize, row_bytes
@@ -27,18 +28,6 @@ from gguf import quants  # noqa: E402
 
 GGML_BASE = Path(os.environ.get("KVSTATE_GGML_BASE", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/"
                                                       "build/bin/libggml-base.so"))
-FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
-               "IQ4_XS": (0,)}
-
-
-def random_blocks(qtype: str, rows: int, blocks: int, seed: int) -> np.ndarray:
-    """uint8 [rows, blocks * bytes]: random bytes, each fp16 scale a finite random value."""
-    t = TYPES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows * blocks, t.nbytes), dtype=np.uint8)
-    for at in FP16_FIELDS[qtype]:
-        raw[:, at:at + 2] = (rng.standard_normal(rows * blocks) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, blocks * t.nbytes)
 
 
 def _gguf_type(qtype: str):

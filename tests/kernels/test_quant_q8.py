@@ -194,6 +194,7 @@ def test_the_benchmark_runs(capsys):
     assert all(r["q8_gbs"] > 0 and r["exact_gbs"] > 0 for r in out["results"])
     assert main(["--types", "q3_k"]) == 2
     assert main(["--types", "iq4_xs"]) == 2  # a kept block type the q8 mode does not serve: one line, no traceback
+    assert main(["--rows", "x"]) == 2 and main(["--rows", "65"]) == 2  # not a number; past the q8 mode's rows
 
 
 def test_mixed_parts_of_one_input_run_q8_each_as_alone(q8):

@@ -16,7 +16,25 @@ namespace kvstate::quant {
 // GGML_TYPE_* numbers (ggml.h) of the types served
 enum QType { kQ4_0 = 2, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
-int block_weights(int type);  // 32 or 256; 0 for a type not served
+// weights per block (32 or 256) and bytes per block of each type served; 0 for a type not served
+constexpr int block_weights(int type) {
+  switch (type) {
+    case kQ4_0: case kQ8_0: case kIQ4_NL: return 32;
+    case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
+    default: return 0;
+  }
+}
+constexpr int block_bytes(int type) {
+  switch (type) {
+    case kQ4_0: case kIQ4_NL: return 18;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    case kIQ4_XS: return 136;
+    default: return 0;
+  }
+}
 
 // The 6-bit scales and mins of the 8 sub-blocks of a Q4_K / Q5_K block `b` (get_scale_min_k4): its 12
 // bytes rearranged 32 bits at a time, as ggml's x86 kernels do: u[0..1] the 8 scales, u[2..3] the 8
@@ -30,7 +48,6 @@ inline void k4_scales_mins(const uint8_t* b, uint32_t u[4]) {
   u[2] = m03;
   u[0] &= k1;
 }
-int block_bytes(int type);
 
 struct Args {
   const float* x;    // [M, K] contiguous

@@ -13,27 +13,6 @@
 
 namespace kvstate::quant {
 
-int block_weights(int type) {
-  switch (type) {
-    case kQ4_0: case kQ8_0: case kIQ4_NL: return 32;
-    case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
-    default: return 0;
-  }
-}
-
-int block_bytes(int type) {
-  switch (type) {
-    case kQ4_0: return 18;
-    case kQ8_0: return 34;
-    case kQ4_K: return 144;
-    case kQ5_K: return 176;
-    case kQ6_K: return 210;
-    case kIQ4_NL: return 18;
-    case kIQ4_XS: return 136;
-    default: return 0;
-  }
-}
-
 namespace {
 std::atomic<int64_t> calls[2];  // avx512, avx2
 

@@ -17,10 +17,14 @@ namespace {
 std::atomic<bool> q8_on{false};
 std::atomic<int64_t> q8_calls[2];  // AVX-512 VNNI, AVX2
 
+// looked up once: every q8 call asks
 bool has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni;
 }
 
 void set_q8(bool on) {

@@ -231,16 +231,12 @@ inline void dot_block(const uint8_t* b, const uint8_t* x, int64_t xrow, __m256* 
   }
 }
 
-constexpr int w_block_bytes(int type) {
-  return type == kQ8_0 ? 34 : type == kQ4_0 ? 18 : type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
-}
-constexpr bool small_block(int type) { return type == kQ8_0 || type == kQ4_0; }
 
 // W row n against the x rows [m0, m0 + MT)
 template <int TYPE, int MT>
 void group_q8(const Args& a, const uint8_t* xq, int64_t xrow, int64_t n, int64_t m0) {
-  constexpr int wb = w_block_bytes(TYPE), xb = small_block(TYPE) ? sizeof(BlockQ8_0) : sizeof(BlockQ8K);
-  const int64_t nb = a.K / (small_block(TYPE) ? 32 : 256);
+  constexpr int wb = block_bytes(TYPE), xb = block_weights(TYPE) == 32 ? sizeof(BlockQ8_0) : sizeof(BlockQ8K);
+  const int64_t nb = a.K / block_weights(TYPE);
   __m256 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* w = a.w + n * a.row_bytes;

@@ -140,9 +140,7 @@ static inline void deq_q6_k(const uint8_t* b, Sink&& sink) {  // 210 bytes: ql[1
 
 template <int TYPE>
 struct Block {
-  static constexpr int weights = TYPE == kQ8_0 || TYPE == kQ4_0 || TYPE == kIQ4_NL ? 32 : 256;
-  static constexpr int bytes = TYPE == kQ8_0 ? 34 : TYPE == kQ4_0 || TYPE == kIQ4_NL ? 18 : TYPE == kQ4_K ? 144
-                               : TYPE == kQ5_K ? 176 : TYPE == kIQ4_XS ? 136 : 210;
+  static constexpr int weights = block_weights(TYPE), bytes = block_bytes(TYPE);
 };
 
 template <int TYPE, class Sink>
